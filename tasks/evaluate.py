@@ -1,0 +1,61 @@
+"""evaluate: perplexity of a runtime on the evaluation split, with per-window losses kept for pairing.
+
+Protocol: the evaluation passages are joined with blank lines and tokenized once by the variant's own tokenizer
+without special tokens (no BOS); the first `max_tokens` tokens are cut into consecutive, non-overlapping windows
+of `window` tokens (stride = window; a final window shorter than 2 tokens is dropped). Within each window every
+token but the first is predicted from the tokens before it in that window. Perplexity = exp(total NLL / total
+predicted tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tasks.config import EvaluateConfig
+from tasks.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    predicted_tokens: int
+    window_nll: list[float]
+    window_tokens: list[int]
+
+
+def make_windows(ids: list[int], window: int, max_tokens: int) -> list[list[int]]:
+    """Non-overlapping windows over the first `max_tokens` ids; windows too short to predict anything dropped."""
+    ids = ids[:max_tokens]
+    return [
+        ids[start : start + window]
+        for start in range(0, len(ids), window)
+        if len(ids[start : start + window]) > 1
+    ]
+
+
+def perplexity_from_losses(window_nll: list[float], window_tokens: list[int]) -> float:
+    """exp of the token-weighted mean negative log-likelihood."""
+    total = sum(window_tokens)
+    if total == 0:
+        raise ValueError("no predicted tokens: the evaluation text is shorter than two tokens")
+    return math.exp(sum(window_nll) / total)
+
+
+def evaluate_perplexity(
+    runtime: Runtime,
+    texts: list[str],
+    cfg: EvaluateConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
+    """Score every window through the runtime (the same object that would serve the variant)."""
+    windows = make_windows(runtime.encode("\n\n".join(texts)), cfg.window, cfg.max_tokens)
+    nll, counts = [], []
+    for index, window in enumerate(windows):
+        ((loss, count),) = runtime.score([window])
+        nll.append(loss)
+        counts.append(count)
+        if progress:
+            progress(index + 1, len(windows))
+    return PerplexityResult(perplexity_from_losses(nll, counts), sum(counts), nll, counts)

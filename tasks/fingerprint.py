@@ -1,0 +1,86 @@
+"""The hardware/software fingerprint attached to every benchmark result."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+INTERESTING_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "fma",
+)
+PACKAGES = ("torch", "transformers", "onnxruntime", "onnxruntime-genai")
+
+
+def machine_fingerprint(threads: int) -> dict[str, object]:
+    """CPU model and flags, cores, threads used, memory, OS, Python and library versions, git commit."""
+    cpu = _cpuinfo()
+    fingerprint: dict[str, object] = {
+        "cpu_model": cpu.get("model name", platform.processor() or "unknown"),
+        "cpu_flags": sorted(flag for flag in cpu.get("flags", "").split() if flag in INTERESTING_FLAGS),
+        "cpu_cores": os.cpu_count() or 0,
+        "threads": threads,
+        "memory_gib": round(_memory_bytes() / 2**30, 1),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "packages": {name: _version(name) for name in PACKAGES},
+        "gpu": None,
+        "git_commit": git_commit(Path.cwd()),
+    }
+    fingerprint["hash"] = fingerprint_hash(fingerprint)
+    return fingerprint
+
+
+def fingerprint_hash(fingerprint: dict[str, object]) -> str:
+    """Identity of the measuring environment; the git commit is excluded (code changes do not move hardware)."""
+    stable = {k: v for k, v in fingerprint.items() if k not in ("hash", "git_commit")}
+    return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def git_commit(folder: Path) -> str:
+    """HEAD of the repository holding `folder` (marked `-dirty` with uncommitted changes), or 'unknown'."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=folder, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _cpuinfo() -> dict[str, str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,45 @@
+"""The variant manifest: what a variant artifact is, how it was built and how to load it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.errors import ModelSourceError
+
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class VariantManifest:
+    """Written beside every variant's weights; the runtime reads it to know how to load them."""
+
+    name: str
+    recipe: dict
+    recipe_hash: str
+    build_key: str
+    base_hash: str
+    data_hash: str
+    weights_format: str  # "hf-safetensors" or "torch-dynamic-int8"
+    dtype: str
+    engine: str
+    parameters: int
+    size_bytes: int
+    content_hash: str
+    notes: list[str] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def write(self, folder: Path) -> None:
+        (folder / MANIFEST_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+
+def read_manifest(folder: Path) -> VariantManifest:
+    """The manifest of a variant folder; a missing or unreadable one is a clear ModelSourceError."""
+    path = folder / MANIFEST_FILE
+    try:
+        return VariantManifest(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ModelSourceError(f"{folder}: no {MANIFEST_FILE}; not an llmopt variant folder") from None
+    except (ValueError, TypeError) as exc:
+        raise ModelSourceError(f"{path}: unreadable manifest ({exc})") from None

@@ -1,0 +1,121 @@
+"""The one Runtime interface: evaluation, benchmark and serving all load variants through it."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+
+from tasks.errors import ModelSourceError
+from tasks.manifest import VariantManifest, read_manifest
+
+QUANTIZED_STATE_FILE = "model-dynamic-int8.pt"
+
+
+class Runtime(Protocol):
+    """An engine holding one variant: tokenize, score token sequences, generate continuations."""
+
+    manifest: VariantManifest
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        """(sum of next-token negative log-likelihoods, number of predicted tokens) per sequence."""
+        ...
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
+    ) -> list[list[int]]:
+        """Greedy continuation token ids (prompt excluded) for each prompt."""
+        ...
+
+
+def load_runtime(folder: Path, threads: int) -> Runtime:
+    """Open the variant in `folder` with the engine its manifest names."""
+    manifest = read_manifest(folder)
+    engines = {"torch": TorchRuntime}
+    if manifest.engine not in engines:
+        raise ModelSourceError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(engines)}")
+    return engines[manifest.engine](folder, manifest, threads)
+
+
+class TorchRuntime:
+    """PyTorch + transformers eager execution on CPU."""
+
+    def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.manifest = manifest
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            self.model = _load_torch_model(folder, manifest)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ModelSourceError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
+        self.model.eval()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        import torch
+
+        results = []
+        with torch.inference_mode():
+            for ids in sequences:
+                tensor = torch.tensor([ids])
+                logits = self.model(input_ids=tensor).logits[0, :-1].float()
+                nll = torch.nn.functional.cross_entropy(logits, tensor[0, 1:], reduction="sum")
+                results.append((float(nll), len(ids) - 1))
+        return results
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
+    ) -> list[list[int]]:
+        import torch
+
+        outputs = []
+        with torch.inference_mode():
+            for ids in prompts:
+                extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
+                generated = self.model.generate(
+                    input_ids=torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                    **extra,
+                )
+                outputs.append(generated[0, len(ids) :].tolist())
+        return outputs
+
+
+def _load_torch_model(folder: Path, manifest: VariantManifest) -> Any:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    dtype = getattr(torch, manifest.dtype)
+    if manifest.weights_format == "hf-safetensors":
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
+    if manifest.weights_format == "torch-dynamic-int8":
+        from tasks.optimize import quantize_dynamic_int8
+
+        # A real (not meta) skeleton: non-persistent buffers such as rotary frequencies are not in the state dict.
+        with no_init_weights():
+            skeleton = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(folder), dtype=torch.float32
+            )
+        model = quantize_dynamic_int8(skeleton)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's TypedStorage notice for quantized tensors
+            state = torch.load(folder / QUANTIZED_STATE_FILE, weights_only=True)
+        model.load_state_dict(state, strict=True)
+        return model
+    raise ModelSourceError(f"{folder}: weights format {manifest.weights_format!r} unknown")

@@ -1,0 +1,127 @@
+"""select: the leaderboard, and the fastest variant whose perplexity stays within the allowed increase."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from tasks.config import SelectConfig
+from tasks.errors import GateError
+
+
+@dataclass(frozen=True)
+class VariantScore:
+    """One leaderboard row: what selection needs to know about a variant."""
+
+    variant: str
+    perplexity: float
+    decode_tok_s: float
+    ttft_ms: float
+    size_bytes: int
+    peak_rss_mb: float
+    parameters: int
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    score: VariantScore
+    ppl_ratio: float
+    speedup: float
+    within_budget: bool
+
+
+@dataclass(frozen=True)
+class Leaderboard:
+    rows: list[LeaderboardRow]
+    baseline: str
+    winner: str
+    max_ppl_increase: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def metrics(self) -> dict[str, dict[str, float]]:
+        """Numbers only, keyed by variant: the shape `dvc metrics show/diff` reads."""
+        return {
+            row.score.variant: {
+                "perplexity": round(row.score.perplexity, 4),
+                "ppl_ratio": round(row.ppl_ratio, 4),
+                "decode_tok_s": round(row.score.decode_tok_s, 2),
+                "ttft_ms": round(row.score.ttft_ms, 1),
+                "size_mb": round(row.score.size_bytes / 1e6, 1),
+                "peak_rss_mb": round(row.score.peak_rss_mb, 1),
+            }
+            for row in self.rows
+        }
+
+    def to_csv(self) -> str:
+        buffer = io.StringIO()
+        writer = csv.writer(buffer)
+        writer.writerow([*TABLE_COLUMNS, "parameters", "within_budget"])
+        for cells, row in zip(table_cells(self), self.rows, strict=True):
+            writer.writerow([*cells, row.score.parameters, row.within_budget])
+        return buffer.getvalue()
+
+    def to_markdown(self) -> str:
+        lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(self)]
+        return "\n".join(lines) + f"\n\nWinner: **{self.winner}** (baseline {self.baseline}).\n"
+
+
+TABLE_COLUMNS = [
+    "variant",
+    "perplexity",
+    "ppl ×",
+    "decode tok/s",
+    "speedup",
+    "TTFT ms",
+    "size MB",
+    "peak RSS MB",
+]
+
+
+def table_cells(board: Leaderboard) -> list[list[str]]:
+    """Formatted cells of every row, shared by the terminal, markdown and CSV renderings."""
+    cells = []
+    for row in board.rows:
+        s = row.score
+        mark = " ★" if s.variant == board.winner else ("" if row.within_budget else " ✗")
+        cells.append(
+            [
+                s.variant + mark,
+                f"{s.perplexity:.2f}",
+                f"{row.ppl_ratio:.3f}",
+                f"{s.decode_tok_s:.1f}",
+                f"{row.speedup:.2f}",
+                f"{s.ttft_ms:.0f}",
+                f"{s.size_bytes / 1e6:.0f}",
+                f"{s.peak_rss_mb:.0f}",
+            ]
+        )
+    return cells
+
+
+def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderboard:
+    """Rank by decode speed; the winner is the fastest variant within the perplexity budget (baseline always is)."""
+    by_name = {s.variant: s for s in scores}
+    if cfg.baseline not in by_name:
+        raise GateError(f"select: baseline {cfg.baseline!r} has no measurements")
+    for s in scores:
+        if not (math.isfinite(s.perplexity) and math.isfinite(s.decode_tok_s)):
+            raise GateError(f"select: variant {s.variant!r} has a non-finite metric; refusing to rank it")
+    base = by_name[cfg.baseline]
+    rows = [
+        LeaderboardRow(
+            score=s,
+            ppl_ratio=s.perplexity / base.perplexity,
+            speedup=s.decode_tok_s / base.decode_tok_s,
+            within_budget=s.variant == cfg.baseline
+            or s.perplexity <= base.perplexity * (1 + cfg.max_ppl_increase),
+        )
+        for s in sorted(scores, key=lambda s: s.decode_tok_s, reverse=True)
+    ]
+    winner = next(row.score.variant for row in rows if row.within_budget)
+    return Leaderboard(rows, cfg.baseline, winner, cfg.max_ppl_increase)

@@ -1,0 +1,131 @@
+"""tracking: one MLflow parent run per pipeline run, one nested run per variant (explicit run ids, no globals)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tasks.benchmark import BenchmarkResult
+from tasks.config import Config, TrackingConfig, VariantConfig
+from tasks.evaluate import PerplexityResult
+from tasks.manifest import VariantManifest
+from tasks.select import Leaderboard
+
+
+def tracking_uri(cfg: TrackingConfig, root: Path) -> str:
+    """The tracking URI with a relative sqlite path anchored at the project root (not the caller's cwd)."""
+    prefix = "sqlite:///"
+    if cfg.uri.startswith(prefix) and not cfg.uri.startswith(prefix + "/"):
+        return prefix + str((root / cfg.uri.removeprefix(prefix)).resolve())
+    return cfg.uri
+
+
+def configure_tracking(cfg: TrackingConfig, root: Path) -> str:
+    """Point MLflow (tracking and registry) at the configured store; return the experiment id."""
+    import mlflow
+
+    uri = tracking_uri(cfg, root)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    experiment = mlflow.get_experiment_by_name(cfg.experiment)
+    if experiment is not None:
+        return experiment.experiment_id
+    artifacts = cfg.artifacts if "://" in cfg.artifacts else (root / cfg.artifacts).resolve().as_uri()
+    return mlflow.create_experiment(cfg.experiment, artifact_location=artifacts)
+
+
+@contextlib.contextmanager
+def parent_run(experiment_id: str, config: Config, fingerprint: dict[str, Any]) -> Iterator[str]:
+    """The pipeline's parent run: config and fingerprint logged up front, FAILED if the body raises."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    run = client.create_run(
+        experiment_id, run_name=f"pipeline-{config.project.name}", tags={"llmopt.kind": "pipeline"}
+    )
+    run_id = run.info.run_id
+    try:
+        client.log_dict(run_id, config.model_dump(mode="json"), "config.json")
+        client.log_dict(run_id, fingerprint, "fingerprint.json")
+        client.set_tag(run_id, "llmopt.fingerprint", str(fingerprint["hash"]))
+        yield run_id
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+
+
+def log_variant_run(
+    experiment_id: str,
+    parent_run_id: str,
+    variant: VariantConfig,
+    manifest: VariantManifest,
+    evaluation: PerplexityResult,
+    bench: BenchmarkResult,
+) -> str:
+    """One nested run per variant: recipe as params, accuracy/speed/memory as metrics, manifest as artifact."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient()
+    run = client.create_run(
+        experiment_id,
+        run_name=manifest.name,
+        tags={"mlflow.parentRunId": parent_run_id, "llmopt.kind": "variant", "llmopt.variant": manifest.name},
+    )
+    params = {
+        "steps": ",".join(step.kind for step in variant.steps) or "none",
+        "dtype": manifest.dtype,
+        "weights_format": manifest.weights_format,
+        "engine": manifest.engine,
+        "recipe_hash": manifest.recipe_hash,
+        "recipe": json.dumps(manifest.recipe, sort_keys=True),
+    }
+    metrics = {
+        "perplexity": evaluation.perplexity,
+        "eval_tokens": evaluation.predicted_tokens,
+        "decode_tok_s": bench.decode_tok_s,
+        "ttft_ms": bench.ttft_ms,
+        "load_s": bench.load_s,
+        "peak_rss_mb": bench.peak_rss_mb,
+        "size_mb": manifest.size_bytes / 1e6,
+        "parameters": manifest.parameters,
+    }
+    client.log_batch(
+        run.info.run_id,
+        metrics=[Metric(k, float(v), 0, 0) for k, v in metrics.items()],
+        params=[Param(k, str(v)[:6000]) for k, v in params.items()],
+    )
+    client.log_dict(run.info.run_id, asdict(manifest), "manifest.json")
+    client.log_dict(run.info.run_id, asdict(bench), "benchmark.json")
+    client.log_dict(run.info.run_id, asdict(evaluation), "evaluation.json")
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def write_reports(board: Leaderboard, folder: Path) -> list[Path]:
+    """Leaderboard as JSON, CSV and markdown plus the DVC metrics file; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {
+        "leaderboard.json": board.to_json(),
+        "leaderboard.csv": board.to_csv(),
+        "leaderboard.md": board.to_markdown(),
+        "metrics.json": json.dumps(board.metrics(), indent=2, sort_keys=True) + "\n",
+    }
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return [folder / name for name in files]
+
+
+def log_reports(parent_run_id: str, board: Leaderboard, reports: list[Path]) -> None:
+    """Report files as parent-run artifacts; the winner as a tag."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    for path in reports:
+        client.log_artifact(parent_run_id, str(path), artifact_path="reports")
+    client.set_tag(parent_run_id, "llmopt.winner", board.winner)

@@ -1,0 +1,49 @@
+"""The Great Expectations suite guarding the corpus splits (real GX, ephemeral context)."""
+
+import pytest
+
+from tasks.config import DataConfig
+from tasks.data import prepare_data
+from tasks.errors import DataValidationError
+from tasks.expectations import validate_corpus_splits
+
+GOOD = {"calibration": ["alpha beta gamma delta"], "evaluation": ["epsilon zeta eta theta"]}
+
+
+def test_valid_splits_pass():
+    validate_corpus_splits(GOOD, min_words=4)
+
+
+def test_empty_split_fails_naming_the_expectation():
+    with pytest.raises(DataValidationError, match=r"corpus-evaluation: expect_table_row_count_to_be_between"):
+        validate_corpus_splits({**GOOD, "evaluation": []}, min_words=4)
+
+
+def test_passage_shared_by_both_splits_fails_uniqueness():
+    with pytest.raises(DataValidationError, match="expect_column_values_to_be_unique"):
+        validate_corpus_splits({**GOOD, "evaluation": GOOD["calibration"]}, min_words=4)
+
+
+def test_short_passage_fails_minimum_word_count():
+    with pytest.raises(DataValidationError, match="expect_column_values_to_be_between"):
+        validate_corpus_splits({**GOOD, "evaluation": ["too short"]}, min_words=4)
+
+
+def test_empty_corpus_folder_stops_preparation_and_writes_nothing(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    out = tmp_path / "data"
+    with pytest.raises(DataValidationError, match="row_count"):
+        prepare_data(DataConfig(source=str(tmp_path / "corpus")), tmp_path, out)
+    assert not out.exists()
+
+
+def test_synthetic_corpus_prepares_two_disjoint_validated_splits(corpus_dir, tmp_path):
+    cfg = DataConfig(
+        source=str(corpus_dir),
+        passage_words=60,
+        min_passage_words=20,
+        evaluation_passages=4,
+        calibration_passages=6,
+    )
+    prepared = prepare_data(cfg, tmp_path, tmp_path / "data")
+    assert prepared.counts == {"calibration": 6, "evaluation": 4}

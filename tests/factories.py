@@ -1,0 +1,72 @@
+"""Builders for test inputs: a deterministic synthetic corpus and a tiny randomly initialised Llama."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+_WORD_TEXT = """
+river stone quiet morning market bread letter window garden winter summer train station music teacher student
+paper light shadow mountain valley city village road bridge water fire wind cloud story night friend mother
+father child house door table chair book pencil ocean island forest field harvest
+"""
+_VERB_TEXT = "walks sees builds carries finds opens reads writes hears follows remembers paints"
+WORDS = _WORD_TEXT.split()
+VERBS = _VERB_TEXT.split()
+
+
+def synthetic_sentences(count: int, seed: int) -> list[str]:
+    """Simple subject-verb-object sentences: learnable structure, unique with overwhelming probability."""
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(count):
+        subject, obj, place = rng.sample(WORDS, 3)
+        sentences.append(
+            f"The {subject} {rng.choice(VERBS)} the {obj} near the {place} {rng.randint(1, 999)}."
+        )
+    return sentences
+
+
+def write_corpus(folder: Path, documents: int = 12, sentences_per_document: int = 40, seed: int = 0) -> Path:
+    """A folder of .txt documents, one sentence a line."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for index in range(documents):
+        lines = synthetic_sentences(sentences_per_document, seed * 1000 + index)
+        (folder / f"doc{index:02d}.txt").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def build_tiny_llama(folder: Path, corpus: list[str], seed: int = 0) -> Path:
+    """A ~100k-parameter Llama with a byte-level BPE tokenizer trained on `corpus`, saved as an HF folder."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder

@@ -1,0 +1,83 @@
+"""A throw-away llmopt project in a temp folder: real git, DVC, Prefect and MLflow, tiny model, tiny corpus."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def project_env(root: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update(
+        PATH=f"{BIN}:{env.get('PATH', '')}",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
+        PYTHONPATH=str(root),
+    )
+    return env
+
+
+def run(root: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        args, cwd=root, env=project_env(root), capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
+    params = {
+        "project": {"name": "tiny-test", "workdir": ".llmopt"},
+        "model": {"source": str(model_dir)},
+        "data": {
+            "source": str(corpus_dir),
+            "passage_words": 60,
+            "min_passage_words": 20,
+            "evaluation_passages": 4,
+            "calibration_passages": 4,
+        },
+        "evaluate": {"window": 32, "max_tokens": 128},
+        "benchmark": {"prompt_tokens": 16, "new_tokens": 8, "warmup": 1, "repeats": 2},
+        "target": {"threads": 1},
+        "select": {"max_ppl_increase": 0.5},
+        "variants": {
+            "baseline": {},
+            "bf16": {"runtime": {"dtype": "bfloat16"}},
+            "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
+        },
+    }
+    for section, values in overrides.items():
+        params[section] = {**params.get(section, {}), **values} if isinstance(values, dict) else values
+    return params
+
+
+def make_project(root: Path, params: dict, with_dvc: bool = True) -> Path:
+    """Lay out a project: code linked from this repo, the real dvc.yaml, the given params, git + DVC initialised."""
+    root.mkdir(parents=True, exist_ok=True)
+    for package in ("tasks", "flows", "serving"):
+        (root / package).symlink_to(REPO / package)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    if with_dvc:
+        shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
+        shutil.copy(REPO / ".gitignore", root / ".gitignore")
+        run(root, "git", "init", "-q")
+        run(root, "git", "config", "user.email", "ci@llmopt.invalid")
+        run(root, "git", "config", "user.name", "llmopt tests")
+        run(root, "dvc", "init", "-q")
+        run(root, "dvc", "config", "core.analytics", "false")
+        run(root, "dvc", "remote", "add", "-d", "local", str(root.parent / "dvc-remote"))
+        run(root, "git", "add", "-A")
+        run(root, "git", "commit", "-qm", "tiny project")
+    return root

@@ -1,0 +1,141 @@
+"""The whole pipeline on a tiny model through the real DVC, Prefect and MLflow, then served over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.integration.project import make_project, project_env, run, tiny_params
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny_model_dir, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    root = make_project(tmp_path_factory.mktemp("e2e") / "project", tiny_params(tiny_model_dir, corpus_dir))
+    return root, run(root, "dvc", "repro")
+
+
+def mlflow_client(root: Path):
+    from mlflow import MlflowClient
+
+    return MlflowClient(
+        tracking_uri=f"sqlite:///{root / 'mlflow.db'}", registry_uri=f"sqlite:///{root / 'mlflow.db'}"
+    )
+
+
+def test_repro_prints_leaderboard_and_registration(project):
+    _, result = project
+    assert "Leaderboard" in result.stdout
+    for variant in ("baseline", "bf16", "int8_dynamic"):
+        assert variant in result.stdout
+    assert "Registered tiny-test version 1" in result.stderr
+
+
+def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
+    root, _ = project
+    client = mlflow_client(root)
+    experiment = client.get_experiment_by_name("llmopt")
+    assert experiment.artifact_location == (root / "mlruns").as_uri()
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("llmopt.kind") == "pipeline"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(r.info.run_name for r in children) == ["baseline", "bf16", "int8_dynamic"]
+    for child in children:
+        assert child.data.metrics["perplexity"] > 1
+        assert child.data.metrics["decode_tok_s"] > 0
+        assert child.data.metrics["size_mb"] > 0
+    artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "reports")}
+    assert "reports/leaderboard.md" in artifacts
+
+
+def test_winner_is_registered_with_lineage_and_both_aliases(project):
+    root, _ = project
+    client = mlflow_client(root)
+    board = json.loads((root / ".llmopt/reports/leaderboard.json").read_text())
+    production = client.get_model_version_by_alias("tiny-test", "production")
+    candidate = client.get_model_version_by_alias("tiny-test", "candidate")
+    assert str(production.version) == str(candidate.version) == "1"
+    assert production.tags["llmopt.variant"] == board["winner"]
+    manifest = json.loads((root / ".llmopt/variants" / board["winner"] / "manifest.json").read_text())
+    assert production.tags["llmopt.content_hash"] == manifest["content_hash"]
+    assert production.tags["llmopt.gate"].startswith("passed")
+
+
+def test_dvc_is_clean_up_to_date_and_pushes_weights(project):
+    root, _ = project
+    assert "up to date" in run(root, "dvc", "status").stdout.lower()
+    again = run(root, "dvc", "repro")
+    assert "didn't change" in again.stdout and "Registered" not in again.stderr
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    outs = {out["path"]: out for out in lock["stages"]["optimize"]["outs"]}
+    assert (
+        outs[".llmopt/variants"]["nfiles"] >= 3 * 3
+    )  # three variants: weights, config, tokenizer, manifest …
+    run(root, "dvc", "push")
+    remote = root.parent / "dvc-remote"
+    assert sum(1 for p in remote.rglob("*") if p.is_file()) >= outs[".llmopt/variants"]["nfiles"]
+
+
+def test_rerun_registers_each_distinct_winner_once(project):
+    """Speeds of a tiny model are noisy, so the winner may change; identical bytes must never get a new version."""
+    root, _ = project
+    client = mlflow_client(root)
+    first_winner = client.get_model_version_by_alias("tiny-test", "production").tags["llmopt.variant"]
+    result = run(root, "llmopt", "run")
+    winner = json.loads((root / ".llmopt/reports/leaderboard.json").read_text())["winner"]
+    versions = client.search_model_versions("name='tiny-test'")
+    hashes = [v.tags["llmopt.content_hash"] for v in versions]
+    assert len(hashes) == len(set(hashes)) == (1 if winner == first_winner else 2)
+    if winner == first_winner:
+        assert "version 1 (same bytes as before, reused)" in result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_server_answers_completions_from_the_production_alias(project):
+    root, _ = project
+    port = free_port()
+    server = subprocess.Popen(
+        ["llmopt", "serve", "--port", str(port)],
+        cwd=root,
+        env=project_env(root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline, health = time.monotonic() + 120, None
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)  # polling for readiness, bounded by the deadline
+        assert health is not None, server.stdout.read().decode() if server.poll() is not None else "no answer"
+        assert health["model"] == "tiny-test/1"
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The river", "max_tokens": 4}
+        )
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["completion_tokens"] <= 4
+        bad = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": -1})
+        assert bad.status_code == 422
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

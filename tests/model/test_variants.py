@@ -1,0 +1,86 @@
+"""Behaviour of each variant recipe on a tiny random Llama: it builds, reloads through the Runtime and agrees."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.config import EvaluateConfig, VariantConfig
+from tasks.evaluate import evaluate_perplexity
+from tasks.hashing import folder_sha256
+from tasks.load import BaseModel
+from tasks.manifest import read_manifest
+from tasks.optimize import build_variant
+from tasks.runtime import load_runtime
+
+RECIPES = {
+    "baseline": {},
+    "bf16": {"runtime": {"dtype": "bfloat16"}},
+    "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
+}
+# Mean absolute difference of per-token NLL from fp32 allowed per recipe (tiny random model, 20 tokens).
+TOLERANCE = {"baseline": 1e-5, "bf16": 0.05, "int8_dynamic": 0.1}
+PROMPT = "The river walks the stone near the garden 12. The train finds the book"
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir: Path) -> BaseModel:
+    return BaseModel(tiny_model_dir, folder_sha256(tiny_model_dir), str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def variants(base: BaseModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("variants")
+    for name, recipe in RECIPES.items():
+        build_variant(name, VariantConfig.model_validate(recipe), base, "data-hash", root / name)
+    return {name: root / name for name in RECIPES}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_variant_reloads_generates_and_scores_close_to_fp32(variants, name):
+    reference = load_runtime(variants["baseline"], threads=1)
+    runtime = load_runtime(variants[name], threads=1)
+    ids = runtime.encode(PROMPT)
+    assert ids == reference.encode(PROMPT)
+    (generated,) = runtime.generate([ids], max_new_tokens=5, stop_at_eos=False)
+    assert len(generated) == 5
+    ((nll, count),) = runtime.score([ids])
+    ((ref_nll, ref_count),) = reference.score([ids])
+    assert count == ref_count == len(ids) - 1
+    assert abs(nll - ref_nll) / count <= TOLERANCE[name]
+
+
+def test_manifest_records_recipe_sizes_and_hashes(variants):
+    fp32, bf16, int8 = (read_manifest(variants[n]) for n in ("baseline", "bf16", "int8_dynamic"))
+    assert fp32.parameters == bf16.parameters == int8.parameters > 50_000
+    assert bf16.size_bytes < fp32.size_bytes
+    assert (fp32.weights_format, int8.weights_format) == ("hf-safetensors", "torch-dynamic-int8")
+    assert int8.recipe["steps"] == [{"quantize": {"method": "torch_dynamic_int8"}}]
+    assert len({fp32.build_key, bf16.build_key, int8.build_key}) == 3
+
+
+def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(base, variants):
+    folder = variants["bf16"]
+    recipe = VariantConfig.model_validate(RECIPES["bf16"])
+    weights = folder / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert build_variant("bf16", recipe, base, "data-hash", folder) == read_manifest(folder)
+    assert weights.stat().st_mtime_ns == stamp
+    weights.write_bytes(b"corrupted")
+    rebuilt = build_variant("bf16", recipe, base, "data-hash", folder)
+    assert folder_sha256(folder, exclude=("manifest.json",)) == rebuilt.content_hash
+    assert load_runtime(folder, threads=1).score([[1, 2, 3]])[0][1] == 2
+
+
+def test_uniform_model_has_perplexity_equal_to_vocabulary_size(variants, tmp_path):
+    """With zero logits every next token has probability 1/V, so perplexity must be exactly V."""
+    runtime = load_runtime(variants["baseline"], threads=1)
+    with torch.no_grad():
+        runtime.model.lm_head.weight.zero_()  # tied: the embeddings become zero too, logits are all zero
+    vocab = runtime.model.config.vocab_size
+    result = evaluate_perplexity(runtime, [PROMPT] * 5, EvaluateConfig(window=16, max_tokens=64))
+    assert result.perplexity == pytest.approx(vocab, rel=1e-4)
+    assert math.isclose(sum(result.window_nll) / sum(result.window_tokens), math.log(vocab), rel_tol=1e-5)

@@ -1,0 +1,89 @@
+from pathlib import Path
+
+import pytest
+
+from tasks.config import Config, VariantConfig, load_config
+from tasks.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+MINIMAL = "variants:\n  baseline: {}\n"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_repository_params_file_loads_with_three_variants():
+    config = load_config(REPO / "params.yaml")
+    assert set(config.variants) >= {"baseline", "bf16", "int8_dynamic"}
+    assert config.variants["int8_dynamic"].steps[0].kind == "quantize"
+
+
+def test_minimal_file_gets_documented_defaults(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.model.source == "smollm2"
+    assert config.tracking.uri == "sqlite:///mlflow.db"
+    assert config.select.max_ppl_increase == 0.05
+
+
+def test_unknown_key_names_its_path_and_suggests_the_close_one(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, MINIMAL + "evaluate:\n  windw: 128\n"))
+    message = str(error.value)
+    assert message.startswith("params.yaml: evaluate.windw: unknown key")
+    assert "did you mean 'window'" in message
+    assert "\n" not in message
+
+
+def test_unknown_key_inside_a_variant_step_is_located(tmp_path):
+    text = "variants:\n  baseline: {}\n  q:\n    steps:\n      - quantize: {method: torch_dynamic_int8, bits: 3}\n"
+    with pytest.raises(ConfigError, match=r"variants\.q\.steps\[0\]\.quantize\.bits: unknown key"):
+        load_config(write(tmp_path, text))
+
+
+def test_wrong_type_is_refused_not_coerced(tmp_path):
+    with pytest.raises(ConfigError, match=r"evaluate\.window: Input should be a valid integer, got '512'"):
+        load_config(write(tmp_path, MINIMAL + "evaluate:\n  window: '512'\n"))
+
+
+def test_impossible_value_names_the_bound(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"select\.max_ppl_increase: Input should be greater than or equal to 0"
+    ):
+        load_config(write(tmp_path, MINIMAL + "select:\n  max_ppl_increase: -0.1\n"))
+
+
+def test_baseline_must_exist_and_be_plain_fp32(tmp_path):
+    with pytest.raises(ConfigError, match="not in variants"):
+        load_config(write(tmp_path, "variants:\n  fast: {}\n"))
+    with pytest.raises(ConfigError, match="must be fp32 with no steps"):
+        load_config(write(tmp_path, "variants:\n  baseline: {runtime: {dtype: bfloat16}}\n"))
+
+
+def test_a_step_must_name_exactly_one_technique():
+    with pytest.raises(ValueError, match="exactly one technique"):
+        VariantConfig.model_validate({"steps": [{}]})
+
+
+def test_dynamic_int8_in_bf16_is_refused():
+    with pytest.raises(ValueError, match="computes in float32"):
+        VariantConfig.model_validate(
+            {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}], "runtime": {"dtype": "bfloat16"}}
+        )
+
+
+def test_invalid_yaml_and_missing_file_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "variants: [\n"))
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_recipe_hash_ignores_the_variant_name_but_not_the_recipe():
+    config = Config.model_validate(
+        {"variants": {"baseline": {}, "copy": {}, "half": {"runtime": {"dtype": "bfloat16"}}}}
+    )
+    hashes = {name: variant.recipe_hash() for name, variant in config.variants.items()}
+    assert hashes["baseline"] == hashes["copy"] != hashes["half"]

@@ -1,0 +1,40 @@
+import math
+
+import pytest
+
+from tasks.config import EvaluateConfig
+from tasks.evaluate import evaluate_perplexity, make_windows, perplexity_from_losses
+
+
+def test_windows_are_non_overlapping_and_capped():
+    assert make_windows(list(range(10)), window=4, max_tokens=9) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert make_windows(list(range(10)), window=4, max_tokens=10) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_perplexity_is_exp_of_token_weighted_mean_nll():
+    assert perplexity_from_losses([2.0, 4.0], [1, 3]) == pytest.approx(math.exp(6.0 / 4))
+    with pytest.raises(ValueError):
+        perplexity_from_losses([], [])
+
+
+class ConstantLossRuntime:
+    """Every predicted token costs log(7) nats: perplexity must come out as exactly 7."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    def score(self, sequences):
+        return [(math.log(7) * (len(ids) - 1), len(ids) - 1) for ids in sequences]
+
+
+def test_evaluate_counts_every_window_and_reports_progress():
+    seen = []
+    result = evaluate_perplexity(
+        ConstantLossRuntime(),
+        ["w " * 50],
+        EvaluateConfig(window=16, max_tokens=40),
+        lambda d, t: seen.append((d, t)),
+    )
+    assert result.perplexity == pytest.approx(7.0)
+    assert result.window_tokens == [15, 15, 7]
+    assert seen[-1] == (3, 3)
