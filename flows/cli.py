@@ -55,7 +55,9 @@ def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = Fal
         from flows.pipeline import prepare_flow
 
         base, data = prepare_flow(config, root)
-        console.print(f"base model {base.path} (sha256 {base.content_hash[:12]}); data {data.counts}")
+        console.print(
+            f"base model {base.path} (sha256 {base.content_hash[:12]}); data {data.counts}", soft_wrap=True
+        )
 
 
 @app.command()

@@ -68,9 +68,9 @@ def benchmark_task(folder: Path, config: Config, prompt_text: str) -> BenchmarkR
 
 @task(name="register", cache_policy=NO_CACHE)
 def register_task(
-    config: Config, folder: Path, manifest: VariantManifest, run_id: str, tags: dict
+    config: Config, folder: Path, manifest: VariantManifest, run_id: str, tags: dict, note: str
 ) -> Registration:
-    return register_variant(config.project.name, folder, manifest, run_id, tags)
+    return register_variant(config.project.name, folder, manifest, run_id, tags, note)
 
 
 def prepare_flow_inputs(config: Config, root: Path) -> tuple[BaseModel, PreparedData]:
@@ -91,7 +91,8 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     texts = read_split(data.folder, "evaluation")
     fingerprint = machine_fingerprint(config.target.threads)
     experiment_id = configure_tracking(config.tracking, root)
-    with parent_run(experiment_id, config, fingerprint) as parent_id:
+    lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
+    with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
         scores, manifests, runs = [], {}, {}
         for name, variant in config.variants.items():
             folder = workdir(config, root) / "variants" / name
@@ -110,7 +111,9 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
             "llmopt.git_commit": str(fingerprint["git_commit"]),
         }
         winner_dir = workdir(config, root) / "variants" / board.winner
-        registration = register_task(config, winner_dir, manifests[board.winner], runs[board.winner], tags)
+        registration = register_task(
+            config, winner_dir, manifests[board.winner], runs[board.winner], tags, board.winner_summary()
+        )
         aliases = promote(registration, verdict)
     return PipelineOutcome(board, registration, aliases, verdict.reason, parent_id)
 

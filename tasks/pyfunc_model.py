@@ -16,8 +16,8 @@ class LlmoptVariantModel(mlflow.pyfunc.PythonModel):
 
         self.runtime = load_runtime(Path(context.artifacts[VARIANT_ARTIFACT]), threads=2)
 
-    def predict(self, context, model_input, params=None):
-        prompts = list(model_input["prompt"]) if hasattr(model_input, "columns") else list(model_input)
+    def predict(self, context, model_input: list[str], params=None) -> list[str]:
+        prompts = list(model_input)
         max_new_tokens = int((params or {}).get("max_new_tokens", 64))
         outputs = self.runtime.generate([self.runtime.encode(p) for p in prompts], max_new_tokens)
         return [self.runtime.decode(ids) for ids in outputs]

@@ -42,7 +42,12 @@ def gate_verdict(board: Leaderboard) -> GateVerdict:
 
 
 def register_variant(
-    model_name: str, variant_dir: Path, manifest: VariantManifest, run_id: str, tags: dict[str, str]
+    model_name: str,
+    variant_dir: Path,
+    manifest: VariantManifest,
+    run_id: str,
+    tags: dict[str, str],
+    description: str,
 ) -> Registration:
     """Log the variant's weights as a pyfunc model in its run and register it; identical bytes reuse a version."""
     import mlflow
@@ -68,6 +73,7 @@ def register_variant(
         "llmopt.data_hash": manifest.data_hash,
     }
     version = mlflow.register_model(info.model_uri, model_name, tags=all_tags)
+    client.update_model_version(model_name, version.version, description=description)
     return Registration(model_name, str(version.version), reused=False)
 
 

@@ -43,6 +43,14 @@ class Leaderboard:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
+    def winner_summary(self) -> str:
+        """One sentence on the winner, for the registry's version description."""
+        row = next(r for r in self.rows if r.score.variant == self.winner)
+        return (
+            f"{self.winner}: {row.score.decode_tok_s:.1f} decode tok/s ({row.speedup:.2f}× {self.baseline}), "
+            f"perplexity {row.score.perplexity:.2f} (×{row.ppl_ratio:.3f}), {row.score.size_bytes / 1e6:.0f} MB"
+        )
+
     def metrics(self) -> dict[str, dict[str, float]]:
         """Numbers only, keyed by variant: the shape `dvc metrics show/diff` reads."""
         return {
@@ -68,7 +76,7 @@ class Leaderboard:
     def to_markdown(self) -> str:
         lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(self)]
-        return "\n".join(lines) + f"\n\nWinner: **{self.winner}** (baseline {self.baseline}).\n"
+        return "\n".join(lines) + f"\n\nWinner: **{self.winner}** (reference: {self.baseline}).\n"
 
 
 TABLE_COLUMNS = [

@@ -39,9 +39,12 @@ def configure_tracking(cfg: TrackingConfig, root: Path) -> str:
 
 
 @contextlib.contextmanager
-def parent_run(experiment_id: str, config: Config, fingerprint: dict[str, Any]) -> Iterator[str]:
-    """The pipeline's parent run: config and fingerprint logged up front, FAILED if the body raises."""
+def parent_run(
+    experiment_id: str, config: Config, lineage: dict[str, str], fingerprint: dict[str, Any]
+) -> Iterator[str]:
+    """The pipeline's parent run: settings, input hashes and fingerprint logged up front, FAILED if the body raises."""
     from mlflow import MlflowClient
+    from mlflow.entities import Param
 
     client = MlflowClient()
     run = client.create_run(
@@ -52,11 +55,25 @@ def parent_run(experiment_id: str, config: Config, fingerprint: dict[str, Any]) 
         client.log_dict(run_id, config.model_dump(mode="json"), "config.json")
         client.log_dict(run_id, fingerprint, "fingerprint.json")
         client.set_tag(run_id, "llmopt.fingerprint", str(fingerprint["hash"]))
+        params = {**_flatten(config.model_dump(mode="json", exclude={"variants"})), **lineage}
+        params["variants"] = ",".join(config.variants)
+        client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
         yield run_id
     except BaseException:
         client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: MLflow params are flat."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def log_variant_run(
@@ -129,3 +146,7 @@ def log_reports(parent_run_id: str, board: Leaderboard, reports: list[Path]) -> 
     for path in reports:
         client.log_artifact(parent_run_id, str(path), artifact_path="reports")
     client.set_tag(parent_run_id, "llmopt.winner", board.winner)
+    winner = next(row for row in board.rows if row.score.variant == board.winner)
+    client.log_metric(parent_run_id, "winner_decode_tok_s", winner.score.decode_tok_s)
+    client.log_metric(parent_run_id, "winner_speedup", winner.speedup)
+    client.log_metric(parent_run_id, "winner_ppl_ratio", winner.ppl_ratio)

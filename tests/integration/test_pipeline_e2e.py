@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from openai import OpenAI
 
 from tests.integration.project import make_project, project_env, run, tiny_params
 
@@ -49,6 +50,9 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.data.tags.get("llmopt.kind") == "pipeline"]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert parents[0].data.params["select.max_ppl_increase"] == "0.5"
+    assert len(parents[0].data.params["data_hash"]) == 64
+    assert parents[0].data.metrics["winner_decode_tok_s"] > 0
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert sorted(r.info.run_name for r in children) == ["baseline", "bf16", "int8_dynamic"]
     for child in children:
@@ -70,6 +74,7 @@ def test_winner_is_registered_with_lineage_and_both_aliases(project):
     manifest = json.loads((root / ".llmopt/variants" / board["winner"] / "manifest.json").read_text())
     assert production.tags["llmopt.content_hash"] == manifest["content_hash"]
     assert production.tags["llmopt.gate"].startswith("passed")
+    assert production.description.startswith(f"{board['winner']}: ")
 
 
 def test_dvc_is_clean_up_to_date_and_pushes_weights(project):
@@ -109,6 +114,7 @@ def free_port() -> int:
 
 def test_server_answers_completions_from_the_production_alias(project):
     root, _ = project
+    served = f"tiny-test/{mlflow_client(root).get_model_version_by_alias('tiny-test', 'production').version}"
     port = free_port()
     server = subprocess.Popen(
         ["llmopt", "serve", "--port", str(port)],
@@ -127,12 +133,11 @@ def test_server_answers_completions_from_the_production_alias(project):
             except httpx.TransportError:
                 time.sleep(0.2)  # polling for readiness, bounded by the deadline
         assert health is not None, server.stdout.read().decode() if server.poll() is not None else "no answer"
-        assert health["model"] == "tiny-test/1"
-        reply = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "The river", "max_tokens": 4}
-        )
-        assert reply.status_code == 200
-        assert reply.json()["usage"]["completion_tokens"] <= 4
+        assert health["model"] == served
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list()] == [served]
+        reply = client.completions.create(model=served, prompt="The river", max_tokens=4)
+        assert reply.usage.completion_tokens <= 4 and isinstance(reply.choices[0].text, str)
         bad = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": -1})
         assert bad.status_code == 422
     finally:

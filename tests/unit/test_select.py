@@ -39,3 +39,8 @@ def test_reports_render_every_variant():
     assert "q ★" in board.to_markdown()
     assert board.to_csv().count("\n") == 3
     assert board.metrics()["q"]["ppl_ratio"] == pytest.approx(1.01)
+
+
+def test_winner_summary_states_speedup_and_accuracy_cost():
+    board = build_leaderboard([score("baseline", 10.0, 10), score("q", 10.2, 25)], SelectConfig())
+    assert board.winner_summary() == "q: 25.0 decode tok/s (2.50× baseline), perplexity 10.20 (×1.020), 0 MB"
