@@ -76,10 +76,21 @@ class QuantizeStep(Strict):
     method: Literal["torch_dynamic_int8"]
 
 
+class OnnxGenAIStep(Strict):
+    """Export to ONNX Runtime GenAI with its model builder; int4/int8 are weight-only (MatMulNBits) block-wise."""
+
+    precision: Literal["int4", "int8", "fp32"] = "int4"
+    block_size: Literal[16, 32, 64, 128, 256] = 32
+    symmetric: bool = True
+    # 4 = int8 activations inside the int4/int8 MatMuls (VNNI kernels on AVX-512 CPUs); 0 = builder default.
+    accuracy_level: Literal[0, 1, 2, 3, 4] = 4
+
+
 class Step(Strict):
     """One recipe step, written as a one-key mapping such as `{quantize: {method: torch_dynamic_int8}}`."""
 
     quantize: QuantizeStep | None = None
+    onnx_genai: OnnxGenAIStep | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Step:
@@ -102,15 +113,28 @@ class VariantConfig(Strict):
     runtime: RuntimeSettings = RuntimeSettings()
 
     @model_validator(mode="after")
-    def _dynamic_int8_runs_in_fp32(self) -> VariantConfig:
-        quantized = any(step.quantize is not None for step in self.steps)
-        if quantized and self.runtime.dtype != "float32":
+    def _steps_compose(self) -> VariantConfig:
+        kinds = [step.kind for step in self.steps]
+        if "quantize" in kinds and self.runtime.dtype != "float32":
             raise ValueError("torch_dynamic_int8 computes in float32; set runtime.dtype: float32")
+        if "onnx_genai" in kinds:
+            if kinds.index("onnx_genai") != len(kinds) - 1:
+                raise ValueError("onnx_genai changes the engine and must be the last step")
+            if "quantize" in kinds:
+                raise ValueError(
+                    "onnx_genai exports a float model; use its own precision instead of torch quantize"
+                )
+            if self.runtime.dtype != "float32":
+                raise ValueError("onnx_genai sets its own precision; leave runtime.dtype at float32")
         return self
+
+    def recipe(self) -> dict[str, Any]:
+        """The recipe as plain data, unset step kinds left out (adding a technique changes no existing hash)."""
+        return self.model_dump(mode="json", exclude_none=True)
 
     def recipe_hash(self) -> str:
         """Content hash of the recipe: same recipe, same hash, whatever the variant is called."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        canonical = json.dumps(self.recipe(), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 

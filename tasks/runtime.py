@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from tasks.errors import ModelSourceError
 from tasks.manifest import VariantManifest, read_manifest
@@ -35,13 +38,25 @@ class Runtime(Protocol):
 def load_runtime(folder: Path, threads: int) -> Runtime:
     """Open the variant in `folder` with the engine its manifest names."""
     manifest = read_manifest(folder)
-    engines = {"torch": TorchRuntime}
+    engines = {"torch": TorchRuntime, "onnxruntime-genai": OrtGenAIRuntime}
     if manifest.engine not in engines:
         raise ModelSourceError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(engines)}")
     return engines[manifest.engine](folder, manifest, threads)
 
 
-class TorchRuntime:
+class _HFTokenizer:
+    """Every engine tokenizes with the variant's Hugging Face tokenizer, so token counts pair across engines."""
+
+    tokenizer: Any
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class TorchRuntime(_HFTokenizer):
     """PyTorch + transformers eager execution on CPU."""
 
     def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
@@ -56,12 +71,6 @@ class TorchRuntime:
         except (OSError, RuntimeError, ValueError) as exc:
             raise ModelSourceError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
         self.model.eval()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         import torch
@@ -93,6 +102,60 @@ class TorchRuntime:
                     **extra,
                 )
                 outputs.append(generated[0, len(ids) :].tolist())
+        return outputs
+
+
+class OrtGenAIRuntime(_HFTokenizer):
+    """ONNX Runtime GenAI: the model builder's graph with its KV cache and MatMulNBits kernels."""
+
+    def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
+        import onnxruntime_genai as og
+        from transformers import AutoTokenizer
+
+        self.manifest = manifest
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        config = og.Config(str(folder))
+        config.overlay(
+            json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}})
+        )
+        try:
+            self.model = og.Model(config)
+        except Exception as exc:  # onnxruntime_genai raises plain RuntimeError/OrtException subclasses
+            raise ModelSourceError(
+                f"{folder}: cannot load the ONNX model ({str(exc).splitlines()[0]})"
+            ) from exc
+        self._og = og
+
+    def _generator(self, prompt: list[int], max_length: int, min_length: int = 0) -> Any:
+        params = self._og.GeneratorParams(self.model)
+        params.set_search_options(max_length=max_length, min_length=min_length, do_sample=False)
+        generator = self._og.Generator(self.model, params)
+        generator.append_tokens(np.asarray(prompt, dtype=np.int32))
+        return generator
+
+    def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        results = []
+        for ids in sequences:
+            logits = self._generator(ids, len(ids) + 1).get_output("logits")[0, :-1].astype(np.float64)
+            shifted = logits - logits.max(axis=-1, keepdims=True)
+            log_norm = np.log(np.exp(shifted).sum(axis=-1))
+            targets = np.asarray(ids[1:])
+            nll = float((log_norm - shifted[np.arange(len(targets)), targets]).sum())
+            results.append((nll, len(ids) - 1))
+        return results
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
+    ) -> list[list[int]]:
+        outputs = []
+        for ids in prompts:
+            length = len(ids) + max_new_tokens
+            generator = self._generator(ids, length, min_length=0 if stop_at_eos else length)
+            tokens: list[int] = []
+            while not generator.is_done() and len(tokens) < max_new_tokens:
+                generator.generate_next_token()
+                tokens.append(int(generator.get_next_tokens()[0]))
+            outputs.append(tokens)
         return outputs
 
 

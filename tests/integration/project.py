@@ -56,6 +56,7 @@ def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
             "baseline": {},
             "bf16": {"runtime": {"dtype": "bfloat16"}},
             "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
+            "onnx_int8": {"steps": [{"onnx_genai": {"precision": "int8"}}]},
         },
     }
     for section, values in overrides.items():

@@ -37,7 +37,7 @@ def mlflow_client(root: Path):
 def test_repro_prints_leaderboard_and_registration(project):
     _, result = project
     assert "Leaderboard" in result.stdout
-    for variant in ("baseline", "bf16", "int8_dynamic"):
+    for variant in ("baseline", "bf16", "int8_dynamic", "onnx_int8"):
         assert variant in result.stdout
     assert "Registered tiny-test version 1" in result.stderr
 
@@ -54,7 +54,7 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
     assert len(parents[0].data.params["data_hash"]) == 64
     assert parents[0].data.metrics["winner_decode_tok_s"] > 0
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert sorted(r.info.run_name for r in children) == ["baseline", "bf16", "int8_dynamic"]
+    assert sorted(r.info.run_name for r in children) == ["baseline", "bf16", "int8_dynamic", "onnx_int8"]
     for child in children:
         assert child.data.metrics["perplexity"] > 1
         assert child.data.metrics["decode_tok_s"] > 0
@@ -88,8 +88,8 @@ def test_dvc_is_clean_up_to_date_and_pushes_weights(project):
         outs[".llmopt/variants"]["nfiles"] >= 3 * 3
     )  # three variants: weights, config, tokenizer, manifest …
     run(root, "dvc", "push")
-    remote = root.parent / "dvc-remote"
-    assert sum(1 for p in remote.rglob("*") if p.is_file()) >= outs[".llmopt/variants"]["nfiles"]
+    assert "in sync" in run(root, "dvc", "status", "--cloud").stdout
+    assert any((root.parent / "dvc-remote").rglob("*"))
 
 
 def test_rerun_registers_each_distinct_winner_once(project):

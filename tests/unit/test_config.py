@@ -17,7 +17,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_repository_params_file_loads_with_three_variants():
     config = load_config(REPO / "params.yaml")
-    assert set(config.variants) >= {"baseline", "bf16", "int8_dynamic"}
+    assert set(config.variants) >= {"baseline", "bf16", "int8_dynamic", "onnx_int8", "onnx_int4"}
     assert config.variants["int8_dynamic"].steps[0].kind == "quantize"
 
 
@@ -72,6 +72,27 @@ def test_dynamic_int8_in_bf16_is_refused():
         VariantConfig.model_validate(
             {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}], "runtime": {"dtype": "bfloat16"}}
         )
+
+
+@pytest.mark.parametrize(
+    ("steps", "runtime", "message"),
+    [
+        ([{"onnx_genai": {}}, {"quantize": {"method": "torch_dynamic_int8"}}], {}, "must be the last step"),
+        ([{"quantize": {"method": "torch_dynamic_int8"}}, {"onnx_genai": {}}], {}, "exports a float model"),
+        ([{"onnx_genai": {}}], {"dtype": "bfloat16"}, "sets its own precision"),
+    ],
+)
+def test_onnx_export_must_compose_sensibly(steps, runtime, message):
+    with pytest.raises(ValueError, match=message):
+        VariantConfig.model_validate({"steps": steps, "runtime": runtime})
+
+
+def test_onnx_block_size_outside_the_builder_choices_is_refused(tmp_path):
+    text = MINIMAL + "  q:\n    steps:\n      - onnx_genai: {precision: int4, block_size: 48}\n"
+    with pytest.raises(
+        ConfigError, match=r"variants\.q\.steps\[0\]\.onnx_genai\.block_size: Input should be 16, 32"
+    ):
+        load_config(write(tmp_path, text))
 
 
 def test_invalid_yaml_and_missing_file_are_one_line_errors(tmp_path):
