@@ -156,14 +156,14 @@ def _print_leaderboard(board) -> None:
     from tasks.select import TABLE_COLUMNS, table_cells
 
     table = Table(
-        title=f"Leaderboard (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline}; ★ winner)"
+        title=f"Leaderboard (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} at {board.confidence:.0%} confidence; ★ winner)"
     )
     for column in TABLE_COLUMNS:
-        table.add_column(column, justify="left" if column == "variant" else "right")
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
     for cells in table_cells(board):
         table.add_row(*cells)
     out = Console()
-    out.width = max(out.width, 110)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
+    out.width = max(out.width, 130)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
     out.print(table)
 
 

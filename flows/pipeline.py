@@ -104,7 +104,7 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
             scores.append(_score(name, manifest, evaluation, bench))
             logger.info(f"{name}: ppl {evaluation.perplexity:.2f}, {bench.decode_tok_s:.1f} tok/s")
         board = build_leaderboard(scores, config.select)
-        log_reports(parent_id, board, write_reports(board, workdir(config, root) / "reports"))
+        log_reports(parent_id, board, write_reports(board, workdir(config, root) / "reports"), runs)
         verdict = gate_verdict(board)
         tags = {
             "llmopt.fingerprint": str(fingerprint["hash"]),
@@ -129,4 +129,6 @@ def _score(
         size_bytes=manifest.size_bytes,
         peak_rss_mb=bench.peak_rss_mb,
         parameters=manifest.parameters,
+        window_nll=tuple(evaluation.window_nll),
+        window_tokens=tuple(evaluation.window_tokens),
     )

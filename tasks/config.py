@@ -51,7 +51,7 @@ class DataConfig(Strict):
 
 
 class EvaluateConfig(Strict):
-    window: Annotated[int, Field(ge=8, le=8192)] = 512
+    window: Annotated[int, Field(ge=8, le=8192)] = 256
     max_tokens: Annotated[int, Field(ge=16)] = 4096
 
 
@@ -70,6 +70,9 @@ class TargetConfig(Strict):
 class SelectConfig(Strict):
     baseline: str = "baseline"
     max_ppl_increase: Annotated[float, Field(ge=0.0, le=10.0)] = 0.05
+    confidence: Annotated[float, Field(gt=0.5, lt=1.0)] = 0.95
+    bootstrap_resamples: Annotated[int, Field(ge=100, le=1_000_000)] = 2000
+    seed: int = 0
 
 
 class QuantizeStep(Strict):

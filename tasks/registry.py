@@ -36,8 +36,11 @@ def gate_verdict(board: Leaderboard) -> GateVerdict:
     """Production needs the winner's perplexity within the budget relative to the baseline."""
     row = next(r for r in board.rows if r.score.variant == board.winner)
     limit = 1 + board.max_ppl_increase
-    passed = row.within_budget and row.ppl_ratio <= limit
-    reason = f"perplexity ratio {row.ppl_ratio:.4f} {'≤' if passed else '>'} {limit:.4f}"
+    passed = row.within_budget and row.ppl_ratio_high <= limit
+    reason = (
+        f"perplexity ratio {row.ppl_ratio:.4f}, {board.confidence:.0%} CI upper bound {row.ppl_ratio_high:.4f} "
+        f"{'≤' if passed else '>'} {limit:.4f}"
+    )
     return GateVerdict(passed, reason, row.ppl_ratio, limit)
 
 

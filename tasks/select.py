@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from tasks.config import SelectConfig
 from tasks.errors import GateError
+from tasks.statistics import paired_bootstrap_ppl_ratio
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,18 @@ class VariantScore:
     size_bytes: int
     peak_rss_mb: float
     parameters: int
+    window_nll: tuple[float, ...]  # per evaluation window, for paired comparisons
+    window_tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class LeaderboardRow:
     score: VariantScore
     ppl_ratio: float
+    ppl_ratio_low: float
+    ppl_ratio_high: float
     speedup: float
-    within_budget: bool
+    within_budget: bool  # the upper confidence bound of the perplexity ratio is within the budget
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Leaderboard:
     baseline: str
     winner: str
     max_ppl_increase: float
+    confidence: float
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
@@ -48,7 +54,8 @@ class Leaderboard:
         row = next(r for r in self.rows if r.score.variant == self.winner)
         return (
             f"{self.winner}: {row.score.decode_tok_s:.1f} decode tok/s ({row.speedup:.2f}× {self.baseline}), "
-            f"perplexity {row.score.perplexity:.2f} (×{row.ppl_ratio:.3f}), {row.score.size_bytes / 1e6:.0f} MB"
+            f"perplexity {row.score.perplexity:.2f} (×{row.ppl_ratio:.3f}, {self.confidence:.0%} CI "
+            f"{row.ppl_ratio_low:.3f}–{row.ppl_ratio_high:.3f}), {row.score.size_bytes / 1e6:.0f} MB"
         )
 
     def metrics(self) -> dict[str, dict[str, float]]:
@@ -57,6 +64,8 @@ class Leaderboard:
             row.score.variant: {
                 "perplexity": round(row.score.perplexity, 4),
                 "ppl_ratio": round(row.ppl_ratio, 4),
+                "ppl_ratio_ci_low": round(row.ppl_ratio_low, 4),
+                "ppl_ratio_ci_high": round(row.ppl_ratio_high, 4),
                 "decode_tok_s": round(row.score.decode_tok_s, 2),
                 "ttft_ms": round(row.score.ttft_ms, 1),
                 "size_mb": round(row.score.size_bytes / 1e6, 1),
@@ -82,7 +91,7 @@ class Leaderboard:
 TABLE_COLUMNS = [
     "variant",
     "perplexity",
-    "ppl ×",
+    "ppl × (CI)",
     "decode tok/s",
     "speedup",
     "TTFT ms",
@@ -101,7 +110,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
             [
                 s.variant + mark,
                 f"{s.perplexity:.2f}",
-                f"{row.ppl_ratio:.3f}",
+                f"{row.ppl_ratio:.3f} ({row.ppl_ratio_low:.3f}–{row.ppl_ratio_high:.3f})",
                 f"{s.decode_tok_s:.1f}",
                 f"{row.speedup:.2f}",
                 f"{s.ttft_ms:.0f}",
@@ -113,7 +122,8 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
 
 
 def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderboard:
-    """Rank by decode speed; the winner is the fastest variant within the perplexity budget (baseline always is)."""
+    """Rank by decode speed; the winner is the fastest variant whose perplexity ratio to the baseline stays
+    within the budget at the configured confidence (upper bound of the paired bootstrap interval)."""
     by_name = {s.variant: s for s in scores}
     if cfg.baseline not in by_name:
         raise GateError(f"select: baseline {cfg.baseline!r} has no measurements")
@@ -121,15 +131,27 @@ def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderbo
         if not (math.isfinite(s.perplexity) and math.isfinite(s.decode_tok_s)):
             raise GateError(f"select: variant {s.variant!r} has a non-finite metric; refusing to rank it")
     base = by_name[cfg.baseline]
-    rows = [
-        LeaderboardRow(
-            score=s,
-            ppl_ratio=s.perplexity / base.perplexity,
-            speedup=s.decode_tok_s / base.decode_tok_s,
-            within_budget=s.variant == cfg.baseline
-            or s.perplexity <= base.perplexity * (1 + cfg.max_ppl_increase),
-        )
-        for s in sorted(scores, key=lambda s: s.decode_tok_s, reverse=True)
-    ]
+    rows = [_row(s, base, cfg) for s in sorted(scores, key=lambda s: s.decode_tok_s, reverse=True)]
     winner = next(row.score.variant for row in rows if row.within_budget)
-    return Leaderboard(rows, cfg.baseline, winner, cfg.max_ppl_increase)
+    return Leaderboard(rows, cfg.baseline, winner, cfg.max_ppl_increase, cfg.confidence)
+
+
+def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> LeaderboardRow:
+    interval = paired_bootstrap_ppl_ratio(
+        list(base.window_nll),
+        list(base.window_tokens),
+        list(score.window_nll),
+        list(score.window_tokens),
+        cfg.bootstrap_resamples,
+        cfg.confidence,
+        cfg.seed,
+    )
+    is_baseline = score.variant == cfg.baseline
+    return LeaderboardRow(
+        score=score,
+        ppl_ratio=interval.ratio,
+        ppl_ratio_low=interval.low,
+        ppl_ratio_high=interval.high,
+        speedup=score.decode_tok_s / base.decode_tok_s,
+        within_budget=is_baseline or interval.high <= 1 + cfg.max_ppl_increase,
+    )

@@ -138,11 +138,24 @@ def write_reports(board: Leaderboard, folder: Path) -> list[Path]:
     return [folder / name for name in files]
 
 
-def log_reports(parent_run_id: str, board: Leaderboard, reports: list[Path]) -> None:
-    """Report files as parent-run artifacts; the winner as a tag."""
+def log_reports(
+    parent_run_id: str, board: Leaderboard, reports: list[Path], variant_runs: dict[str, str]
+) -> None:
+    """Report files as parent-run artifacts, the winner as a tag, comparisons with the baseline on each variant run."""
     from mlflow import MlflowClient
+    from mlflow.entities import Metric
 
     client = MlflowClient()
+    for row in board.rows:
+        comparison = {
+            "ppl_ratio": row.ppl_ratio,
+            "ppl_ratio_ci_low": row.ppl_ratio_low,
+            "ppl_ratio_ci_high": row.ppl_ratio_high,
+            "speedup": row.speedup,
+            "within_budget": float(row.within_budget),
+        }
+        metrics = [Metric(k, float(v), 0, 0) for k, v in comparison.items()]
+        client.log_batch(variant_runs[row.score.variant], metrics=metrics)
     for path in reports:
         client.log_artifact(parent_run_id, str(path), artifact_path="reports")
     client.set_tag(parent_run_id, "llmopt.winner", board.winner)

@@ -59,6 +59,7 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
         assert child.data.metrics["perplexity"] > 1
         assert child.data.metrics["decode_tok_s"] > 0
         assert child.data.metrics["size_mb"] > 0
+        assert child.data.metrics["ppl_ratio_ci_low"] <= child.data.metrics["ppl_ratio_ci_high"]
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "reports")}
     assert "reports/leaderboard.md" in artifacts
 

@@ -1,0 +1,55 @@
+import numpy as np
+import pytest
+
+from tasks.errors import GateError
+from tasks.statistics import paired_bootstrap_ppl_ratio
+
+TOKENS = [255] * 16
+
+
+def window_losses(seed: int, mean_nll: float = 3.9) -> list[float]:
+    """Per-window summed NLL with realistic spread between passages (some passages are much harder)."""
+    rng = np.random.default_rng(seed)
+    return list((mean_nll + rng.normal(0, 0.4, len(TOKENS))) * np.asarray(TOKENS))
+
+
+def ci(base, variant, **kwargs):
+    options = {"resamples": 2000, "confidence": 0.95, "seed": 0, **kwargs}
+    return paired_bootstrap_ppl_ratio(base, TOKENS, variant, TOKENS, **options)
+
+
+def test_identical_models_give_a_ratio_of_one_with_a_ci_containing_one():
+    base = window_losses(1)
+    result = ci(base, base)
+    assert result.ratio == pytest.approx(1.0)
+    assert result.low <= 1.0 <= result.high
+
+
+def test_a_planted_five_percent_perplexity_regression_is_detected():
+    base = window_losses(2)
+    rng = np.random.default_rng(3)
+    # +5 % perplexity = +log(1.05) nats per token, with small per-window jitter around it
+    shift = (np.log(1.05) + rng.normal(0, 0.005, len(TOKENS))) * np.asarray(TOKENS)
+    result = ci(base, list(np.asarray(base) + shift))
+    assert result.ratio == pytest.approx(1.05, abs=0.005)
+    assert 1.0 < result.low < 1.05 < result.high < 1.1
+
+
+def test_pure_noise_without_a_shift_keeps_one_inside_the_interval():
+    base = window_losses(4)
+    rng = np.random.default_rng(5)
+    noisy = np.asarray(base) + rng.normal(0, 0.002, len(TOKENS)) * np.asarray(TOKENS)
+    result = ci(base, list(noisy))
+    assert result.low < 1.0 < result.high
+
+
+def test_same_seed_same_interval_and_wider_at_higher_confidence():
+    base, variant = window_losses(6), window_losses(7)
+    assert ci(base, variant) == ci(base, variant)
+    narrow, wide = ci(base, variant, confidence=0.8), ci(base, variant, confidence=0.99)
+    assert wide.low < narrow.low and narrow.high < wide.high
+
+
+def test_windows_that_do_not_pair_are_refused():
+    with pytest.raises(GateError, match="cannot pair"):
+        paired_bootstrap_ppl_ratio([1.0], [10], [1.0], [11], resamples=10, confidence=0.9, seed=0)
