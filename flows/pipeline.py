@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -12,7 +12,8 @@ from flows.progress import progress_bar
 from tasks.benchmark import BenchmarkResult, benchmark_in_fresh_process
 from tasks.config import Config, VariantConfig
 from tasks.data import PreparedData, prepare_data, read_split
-from tasks.evaluate import PerplexityResult, evaluate_perplexity
+from tasks.evaluate import VariantEvaluation, evaluate_variant
+from tasks.expectations import validate_metrics_table
 from tasks.fingerprint import machine_fingerprint
 from tasks.load import BaseModel, prepare_base_model
 from tasks.manifest import VariantManifest
@@ -55,10 +56,12 @@ def optimize_task(
 
 
 @task(name="evaluate", task_run_name="evaluate-{folder.name}", cache_policy=NO_CACHE)
-def evaluate_task(folder: Path, texts: list[str], config: Config) -> PerplexityResult:
+def evaluate_task(
+    folder: Path, texts: list[str], config: Config, reference: list[list[int]] | None
+) -> VariantEvaluation:
     runtime = load_runtime(folder, config.target.threads)
     with progress_bar(f"perplexity {folder.name}") as update:
-        return evaluate_perplexity(runtime, texts, config.evaluate, update)
+        return evaluate_variant(runtime, texts, config.evaluate, reference, update)
 
 
 @task(name="benchmark", task_run_name="benchmark-{folder.name}", cache_policy=NO_CACHE)
@@ -93,16 +96,18 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
-        scores, manifests, runs = [], {}, {}
-        for name, variant in config.variants.items():
+        scores, manifests, runs, reference = [], {}, {}, None
+        for name, variant in _baseline_first(config):
             folder = workdir(config, root) / "variants" / name
             manifest = optimize_task(name, variant, base, data.content_hash, folder)
-            evaluation = evaluate_task(folder, texts, config)
+            evaluation = evaluate_task(folder, texts, config, reference)
+            reference = reference or evaluation.continuations
             bench = benchmark_task(folder, config, texts[0])
             runs[name] = log_variant_run(experiment_id, parent_id, variant, manifest, evaluation, bench)
             manifests[name] = manifest
             scores.append(_score(name, manifest, evaluation, bench))
-            logger.info(f"{name}: ppl {evaluation.perplexity:.2f}, {bench.decode_tok_s:.1f} tok/s")
+            logger.info(f"{name}: ppl {evaluation.perplexity.perplexity:.2f}, {bench.decode_tok_s:.1f} tok/s")
+        validate_metrics_table([asdict(score) for score in scores], list(config.variants))
         board = build_leaderboard(scores, config.select)
         log_reports(parent_id, board, write_reports(board, workdir(config, root) / "reports"), runs)
         verdict = gate_verdict(board)
@@ -118,17 +123,24 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     return PipelineOutcome(board, registration, aliases, verdict.reason, parent_id)
 
 
+def _baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
+    """The baseline runs first: its greedy continuations are the reference for everyone's agreement."""
+    base = config.select.baseline
+    return [(base, config.variants[base])] + [(n, v) for n, v in config.variants.items() if n != base]
+
+
 def _score(
-    name: str, manifest: VariantManifest, evaluation: PerplexityResult, bench: BenchmarkResult
+    name: str, manifest: VariantManifest, evaluation: VariantEvaluation, bench: BenchmarkResult
 ) -> VariantScore:
     return VariantScore(
         variant=name,
-        perplexity=evaluation.perplexity,
+        perplexity=evaluation.perplexity.perplexity,
+        token_agreement=evaluation.agreement.token_agreement,
         decode_tok_s=bench.decode_tok_s,
         ttft_ms=bench.ttft_ms,
         size_bytes=manifest.size_bytes,
         peak_rss_mb=bench.peak_rss_mb,
         parameters=manifest.parameters,
-        window_nll=tuple(evaluation.window_nll),
-        window_tokens=tuple(evaluation.window_tokens),
+        window_nll=tuple(evaluation.perplexity.window_nll),
+        window_tokens=tuple(evaluation.perplexity.window_tokens),
     )

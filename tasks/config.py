@@ -53,6 +53,9 @@ class DataConfig(Strict):
 class EvaluateConfig(Strict):
     window: Annotated[int, Field(ge=8, le=8192)] = 256
     max_tokens: Annotated[int, Field(ge=16)] = 4096
+    agreement_prompts: Annotated[int, Field(ge=1)] = 8
+    agreement_prompt_tokens: Annotated[int, Field(ge=1)] = 32
+    agreement_new_tokens: Annotated[int, Field(ge=1)] = 32
 
 
 class BenchmarkConfig(Strict):

@@ -59,3 +59,56 @@ def evaluate_perplexity(
         if progress:
             progress(index + 1, len(windows))
     return PerplexityResult(perplexity_from_losses(nll, counts), sum(counts), nll, counts)
+
+
+@dataclass(frozen=True)
+class AgreementResult:
+    """How often the variant's greedy continuation equals the baseline's, position by position."""
+
+    token_agreement: float  # matching positions / all generated positions
+    exact_match: float  # continuations identical in full / prompts
+    prompts: int
+
+
+@dataclass(frozen=True)
+class VariantEvaluation:
+    perplexity: PerplexityResult
+    agreement: AgreementResult
+    continuations: list[list[int]]
+
+
+def agreement_prompts(runtime: Runtime, texts: list[str], cfg: EvaluateConfig) -> list[list[int]]:
+    """The first `agreement_prompt_tokens` tokens of the first `agreement_prompts` evaluation passages."""
+    return [runtime.encode(text)[: cfg.agreement_prompt_tokens] for text in texts[: cfg.agreement_prompts]]
+
+
+def greedy_agreement(reference: list[list[int]], candidate: list[list[int]]) -> AgreementResult:
+    """Token-level and exact-match agreement of two sets of greedy continuations of the same prompts.
+
+    Positions after a first mismatch still count: once continuations diverge they rarely re-align, so token-level
+    agreement falls with early divergence, which is the behaviour users notice.
+    """
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError("agreement needs the same, non-empty set of prompts for both models")
+    matched = total = exact = 0
+    for ref, cand in zip(reference, candidate, strict=True):
+        length = max(len(ref), len(cand))
+        matched += sum(a == b for a, b in zip(ref, cand, strict=False))
+        total += length
+        exact += ref == cand
+    return AgreementResult(matched / total if total else 1.0, exact / len(reference), len(reference))
+
+
+def evaluate_variant(
+    runtime: Runtime,
+    texts: list[str],
+    cfg: EvaluateConfig,
+    reference: list[list[int]] | None,
+    progress: Callable[[int, int], None] | None = None,
+) -> VariantEvaluation:
+    """Perplexity plus greedy agreement with `reference` (the baseline's continuations; None for the baseline)."""
+    perplexity = evaluate_perplexity(runtime, texts, cfg, progress)
+    prompts = agreement_prompts(runtime, texts, cfg)
+    continuations = runtime.generate(prompts, cfg.agreement_new_tokens, stop_at_eos=False)
+    agreement = greedy_agreement(reference if reference is not None else continuations, continuations)
+    return VariantEvaluation(perplexity, agreement, continuations)

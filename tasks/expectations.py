@@ -70,3 +70,26 @@ def validate_corpus_splits(splits: dict[str, list[str]], min_words: int) -> None
 
 def _more(failures: list[str]) -> str:
     return f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+
+
+def validate_metrics_table(rows: list[dict[str, Any]], expected_variants: list[str]) -> None:
+    """Every configured variant measured once, every metric finite and physically possible, before selection."""
+    import great_expectations as gx
+    import pandas as pd
+
+    frame = pd.DataFrame(rows).replace([float("inf"), float("-inf")], float("nan"))
+    metrics = ["perplexity", "token_agreement", "decode_tok_s", "ttft_ms", "size_bytes", "peak_rss_mb"]
+    expectations = [
+        gx.expectations.ExpectColumnDistinctValuesToEqualSet(column="variant", value_set=expected_variants),
+        gx.expectations.ExpectColumnValuesToBeUnique(column="variant"),
+        gx.expectations.ExpectColumnValuesToBeBetween(column="perplexity", min_value=1.0, strict_min=True),
+        gx.expectations.ExpectColumnValuesToBeBetween(column="token_agreement", min_value=0.0, max_value=1.0),
+    ]
+    expectations += [gx.expectations.ExpectColumnValuesToNotBeNull(column=m) for m in metrics]
+    expectations += [
+        gx.expectations.ExpectColumnValuesToBeBetween(column=m, min_value=0.0, strict_min=True)
+        for m in metrics[1:]
+    ]
+    failures = run_suite("metrics", frame, expectations)
+    if failures:
+        raise DataValidationError(f"metrics validation failed: {failures[0]}" + _more(failures))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 from dataclasses import asdict, dataclass
 
 from tasks.config import SelectConfig
@@ -19,6 +18,7 @@ class VariantScore:
 
     variant: str
     perplexity: float
+    token_agreement: float  # greedy continuations matching the baseline's, position by position
     decode_tok_s: float
     ttft_ms: float
     size_bytes: int
@@ -63,6 +63,7 @@ class Leaderboard:
         return {
             row.score.variant: {
                 "perplexity": round(row.score.perplexity, 4),
+                "token_agreement": round(row.score.token_agreement, 4),
                 "ppl_ratio": round(row.ppl_ratio, 4),
                 "ppl_ratio_ci_low": round(row.ppl_ratio_low, 4),
                 "ppl_ratio_ci_high": round(row.ppl_ratio_high, 4),
@@ -92,6 +93,7 @@ TABLE_COLUMNS = [
     "variant",
     "perplexity",
     "ppl × (CI)",
+    "agree %",
     "decode tok/s",
     "speedup",
     "TTFT ms",
@@ -111,6 +113,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 s.variant + mark,
                 f"{s.perplexity:.2f}",
                 f"{row.ppl_ratio:.3f} ({row.ppl_ratio_low:.3f}–{row.ppl_ratio_high:.3f})",
+                f"{s.token_agreement:.0%}",
                 f"{s.decode_tok_s:.1f}",
                 f"{row.speedup:.2f}",
                 f"{s.ttft_ms:.0f}",
@@ -123,13 +126,13 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
 
 def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderboard:
     """Rank by decode speed; the winner is the fastest variant whose perplexity ratio to the baseline stays
-    within the budget at the configured confidence (upper bound of the paired bootstrap interval)."""
+    within the budget at the configured confidence (upper bound of the paired bootstrap interval).
+
+    The metrics are expected to have passed `validate_metrics_table` (finite, positive, all variants present).
+    """
     by_name = {s.variant: s for s in scores}
     if cfg.baseline not in by_name:
         raise GateError(f"select: baseline {cfg.baseline!r} has no measurements")
-    for s in scores:
-        if not (math.isfinite(s.perplexity) and math.isfinite(s.decode_tok_s)):
-            raise GateError(f"select: variant {s.variant!r} has a non-finite metric; refusing to rank it")
     base = by_name[cfg.baseline]
     rows = [_row(s, base, cfg) for s in sorted(scores, key=lambda s: s.decode_tok_s, reverse=True)]
     winner = next(row.score.variant for row in rows if row.within_budget)

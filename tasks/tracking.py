@@ -11,7 +11,7 @@ from typing import Any
 
 from tasks.benchmark import BenchmarkResult
 from tasks.config import Config, TrackingConfig, VariantConfig
-from tasks.evaluate import PerplexityResult
+from tasks.evaluate import VariantEvaluation
 from tasks.manifest import VariantManifest
 from tasks.select import Leaderboard
 
@@ -81,7 +81,7 @@ def log_variant_run(
     parent_run_id: str,
     variant: VariantConfig,
     manifest: VariantManifest,
-    evaluation: PerplexityResult,
+    evaluation: VariantEvaluation,
     bench: BenchmarkResult,
 ) -> str:
     """One nested run per variant: recipe as params, accuracy/speed/memory as metrics, manifest as artifact."""
@@ -103,8 +103,10 @@ def log_variant_run(
         "recipe": json.dumps(manifest.recipe, sort_keys=True),
     }
     metrics = {
-        "perplexity": evaluation.perplexity,
-        "eval_tokens": evaluation.predicted_tokens,
+        "perplexity": evaluation.perplexity.perplexity,
+        "eval_tokens": evaluation.perplexity.predicted_tokens,
+        "token_agreement": evaluation.agreement.token_agreement,
+        "exact_match": evaluation.agreement.exact_match,
         "decode_tok_s": bench.decode_tok_s,
         "ttft_ms": bench.ttft_ms,
         "load_s": bench.load_s,
@@ -119,7 +121,8 @@ def log_variant_run(
     )
     client.log_dict(run.info.run_id, asdict(manifest), "manifest.json")
     client.log_dict(run.info.run_id, asdict(bench), "benchmark.json")
-    client.log_dict(run.info.run_id, asdict(evaluation), "evaluation.json")
+    client.log_dict(run.info.run_id, asdict(evaluation.perplexity), "evaluation.json")
+    client.log_dict(run.info.run_id, asdict(evaluation.agreement), "agreement.json")
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
 

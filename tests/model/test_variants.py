@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tasks.config import EvaluateConfig, VariantConfig
-from tasks.evaluate import evaluate_perplexity
+from tasks.evaluate import evaluate_perplexity, evaluate_variant
 from tasks.hashing import folder_sha256
 from tasks.load import BaseModel
 from tasks.manifest import read_manifest
@@ -75,6 +75,23 @@ def test_onnx_fp32_generates_exactly_what_torch_fp32_generates(variants):
     assert onnx_runtime.generate([prompt], 12, stop_at_eos=False) == torch_runtime.generate(
         [prompt], 12, stop_at_eos=False
     )
+
+
+def test_agreement_is_total_for_the_same_graph_and_reported_for_every_variant(variants):
+    texts = [PROMPT + " " + str(i) for i in range(3)]
+    cfg = EvaluateConfig(
+        window=16, max_tokens=64, agreement_prompts=3, agreement_prompt_tokens=8, agreement_new_tokens=6
+    )
+    baseline = evaluate_variant(load_runtime(variants["baseline"], threads=1), texts, cfg, None)
+    assert baseline.agreement.token_agreement == 1.0 and baseline.agreement.prompts == 3
+    onnx = evaluate_variant(
+        load_runtime(variants["onnx_fp32"], threads=1), texts, cfg, baseline.continuations
+    )
+    assert onnx.agreement.exact_match == 1.0
+    int4 = evaluate_variant(
+        load_runtime(variants["onnx_int4"], threads=1), texts, cfg, baseline.continuations
+    )
+    assert 0.0 <= int4.agreement.token_agreement <= 1.0
 
 
 def test_onnx_int4_is_smaller_than_int8_and_fp32(variants):

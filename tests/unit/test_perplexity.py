@@ -3,7 +3,7 @@ import math
 import pytest
 
 from tasks.config import EvaluateConfig
-from tasks.evaluate import evaluate_perplexity, make_windows, perplexity_from_losses
+from tasks.evaluate import evaluate_perplexity, greedy_agreement, make_windows, perplexity_from_losses
 
 
 def test_windows_are_non_overlapping_and_capped():
@@ -38,3 +38,19 @@ def test_evaluate_counts_every_window_and_reports_progress():
     assert result.perplexity == pytest.approx(7.0)
     assert result.window_tokens == [15, 15, 7]
     assert seen[-1] == (3, 3)
+
+
+def test_agreement_counts_matching_positions_and_whole_matches():
+    result = greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
+    assert result.token_agreement == pytest.approx(7 / 8)
+    assert result.exact_match == pytest.approx(0.5)
+    assert result.prompts == 2
+
+
+def test_agreement_of_a_shorter_continuation_counts_missing_tokens_as_mismatches():
+    assert greedy_agreement([[1, 2, 3, 4]], [[1, 2]]).token_agreement == pytest.approx(0.5)
+
+
+def test_agreement_needs_the_same_prompts():
+    with pytest.raises(ValueError, match="same, non-empty"):
+        greedy_agreement([[1]], [])
