@@ -163,7 +163,7 @@ def _print_leaderboard(board) -> None:
     for cells in table_cells(board):
         table.add_row(*cells)
     out = Console()
-    out.width = max(out.width, 130)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
+    out.width = max(out.width, 160)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
     out.print(table)
 
 

@@ -136,6 +136,8 @@ def _score(
         variant=name,
         perplexity=evaluation.perplexity.perplexity,
         token_agreement=evaluation.agreement.token_agreement,
+        cloze_accuracy=evaluation.cloze.accuracy,
+        cloze_correct=tuple(evaluation.cloze.correct),
         decode_tok_s=bench.decode_tok_s,
         ttft_ms=bench.ttft_ms,
         size_bytes=manifest.size_bytes,

@@ -56,6 +56,9 @@ class EvaluateConfig(Strict):
     agreement_prompts: Annotated[int, Field(ge=1)] = 8
     agreement_prompt_tokens: Annotated[int, Field(ge=1)] = 32
     agreement_new_tokens: Annotated[int, Field(ge=1)] = 32
+    cloze_items: Annotated[int, Field(ge=1)] = 64
+    cloze_context_words: Annotated[int, Field(ge=1)] = 64
+    cloze_new_tokens: Annotated[int, Field(ge=1, le=64)] = 6
 
 
 class BenchmarkConfig(Strict):

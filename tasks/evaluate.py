@@ -75,6 +75,7 @@ class VariantEvaluation:
     perplexity: PerplexityResult
     agreement: AgreementResult
     continuations: list[list[int]]
+    cloze: ClozeResult
 
 
 def agreement_prompts(runtime: Runtime, texts: list[str], cfg: EvaluateConfig) -> list[list[int]]:
@@ -111,4 +112,46 @@ def evaluate_variant(
     prompts = agreement_prompts(runtime, texts, cfg)
     continuations = runtime.generate(prompts, cfg.agreement_new_tokens, stop_at_eos=False)
     agreement = greedy_agreement(reference if reference is not None else continuations, continuations)
-    return VariantEvaluation(perplexity, agreement, continuations)
+    items = cloze_items(texts, cfg.cloze_items, cfg.cloze_context_words)
+    cloze = cloze_accuracy(runtime, items, cfg.cloze_new_tokens)
+    return VariantEvaluation(perplexity, agreement, continuations, cloze)
+
+
+@dataclass(frozen=True)
+class ClozeItem:
+    context: str
+    target: str
+
+
+@dataclass(frozen=True)
+class ClozeResult:
+    accuracy: float
+    correct: list[bool]  # per item, in item order, for paired tests
+
+
+def cloze_items(texts: list[str], count: int, context_words: int) -> list[ClozeItem]:
+    """LAMBADA-style items: the last word of each sentence, predicted from up to `context_words` words before it."""
+    items = []
+    for text in texts:
+        words = text.split()
+        for end, word in enumerate(words):
+            target = word.rstrip(".!?\"')")
+            if word != target and word[-1:] in ".!?" and target.isalpha() and end >= 8:
+                items.append(ClozeItem(" ".join(words[max(0, end - context_words) : end]), target))
+    return items[:count]
+
+
+def cloze_accuracy(runtime: Runtime, items: list[ClozeItem], max_new_tokens: int) -> ClozeResult:
+    """Correct when the first word of the greedy continuation equals the target word (case-insensitive)."""
+    prompts = [runtime.encode(item.context) for item in items]
+    continuations = runtime.generate(prompts, max_new_tokens, stop_at_eos=True)
+    correct = [
+        _first_word(runtime.decode(ids)) == item.target.lower()
+        for ids, item in zip(continuations, items, strict=True)
+    ]
+    return ClozeResult(sum(correct) / len(correct) if correct else 0.0, correct)
+
+
+def _first_word(text: str) -> str:
+    words = text.split()
+    return words[0].strip(".,;:!?\"'()").lower() if words else ""

@@ -78,17 +78,19 @@ def validate_metrics_table(rows: list[dict[str, Any]], expected_variants: list[s
     import pandas as pd
 
     frame = pd.DataFrame(rows).replace([float("inf"), float("-inf")], float("nan"))
-    metrics = ["perplexity", "token_agreement", "decode_tok_s", "ttft_ms", "size_bytes", "peak_rss_mb"]
+    shares = ["token_agreement", "cloze_accuracy"]
+    positive = ["decode_tok_s", "ttft_ms", "size_bytes", "peak_rss_mb"]
+    between = gx.expectations.ExpectColumnValuesToBeBetween
     expectations = [
         gx.expectations.ExpectColumnDistinctValuesToEqualSet(column="variant", value_set=expected_variants),
         gx.expectations.ExpectColumnValuesToBeUnique(column="variant"),
-        gx.expectations.ExpectColumnValuesToBeBetween(column="perplexity", min_value=1.0, strict_min=True),
-        gx.expectations.ExpectColumnValuesToBeBetween(column="token_agreement", min_value=0.0, max_value=1.0),
-    ]
-    expectations += [gx.expectations.ExpectColumnValuesToNotBeNull(column=m) for m in metrics]
-    expectations += [
-        gx.expectations.ExpectColumnValuesToBeBetween(column=m, min_value=0.0, strict_min=True)
-        for m in metrics[1:]
+        *[
+            gx.expectations.ExpectColumnValuesToNotBeNull(column=m)
+            for m in ["perplexity", *shares, *positive]
+        ],
+        between(column="perplexity", min_value=1.0, strict_min=True),
+        *[between(column=m, min_value=0.0, max_value=1.0) for m in shares],
+        *[between(column=m, min_value=0.0, strict_min=True) for m in positive],
     ]
     failures = run_suite("metrics", frame, expectations)
     if failures:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from tasks.config import SelectConfig
 from tasks.errors import GateError
-from tasks.statistics import paired_bootstrap_ppl_ratio
+from tasks.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class VariantScore:
     variant: str
     perplexity: float
     token_agreement: float  # greedy continuations matching the baseline's, position by position
+    cloze_accuracy: float
     decode_tok_s: float
     ttft_ms: float
     size_bytes: int
@@ -26,6 +27,7 @@ class VariantScore:
     parameters: int
     window_nll: tuple[float, ...]  # per evaluation window, for paired comparisons
     window_tokens: tuple[int, ...]
+    cloze_correct: tuple[bool, ...]  # per cloze item, for McNemar's paired test
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class LeaderboardRow:
     ppl_ratio: float
     ppl_ratio_low: float
     ppl_ratio_high: float
+    cloze_p_value: float  # McNemar exact test vs the baseline
+    cloze_delta: float
     speedup: float
     within_budget: bool  # the upper confidence bound of the perplexity ratio is within the budget
 
@@ -64,6 +68,8 @@ class Leaderboard:
             row.score.variant: {
                 "perplexity": round(row.score.perplexity, 4),
                 "token_agreement": round(row.score.token_agreement, 4),
+                "cloze_accuracy": round(row.score.cloze_accuracy, 4),
+                "cloze_p_value": round(row.cloze_p_value, 4),
                 "ppl_ratio": round(row.ppl_ratio, 4),
                 "ppl_ratio_ci_low": round(row.ppl_ratio_low, 4),
                 "ppl_ratio_ci_high": round(row.ppl_ratio_high, 4),
@@ -94,6 +100,7 @@ TABLE_COLUMNS = [
     "perplexity",
     "ppl × (CI)",
     "agree %",
+    "cloze (p)",
     "decode tok/s",
     "speedup",
     "TTFT ms",
@@ -114,6 +121,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 f"{s.perplexity:.2f}",
                 f"{row.ppl_ratio:.3f} ({row.ppl_ratio_low:.3f}–{row.ppl_ratio_high:.3f})",
                 f"{s.token_agreement:.0%}",
+                f"{s.cloze_accuracy:.0%} (p={row.cloze_p_value:.2f})",
                 f"{s.decode_tok_s:.1f}",
                 f"{row.speedup:.2f}",
                 f"{s.ttft_ms:.0f}",
@@ -126,7 +134,8 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
 
 def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderboard:
     """Rank by decode speed; the winner is the fastest variant whose perplexity ratio to the baseline stays
-    within the budget at the configured confidence (upper bound of the paired bootstrap interval).
+    within the budget at the configured confidence (upper bound of the paired bootstrap interval) and whose cloze
+    accuracy is not significantly worse (McNemar exact test at the same confidence).
 
     The metrics are expected to have passed `validate_metrics_table` (finite, positive, all variants present).
     """
@@ -149,12 +158,16 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
         cfg.confidence,
         cfg.seed,
     )
+    cloze = mcnemar_exact(list(base.cloze_correct), list(score.cloze_correct))
+    significantly_worse = cloze.accuracy_delta < 0 and cloze.p_value < 1 - cfg.confidence
     is_baseline = score.variant == cfg.baseline
     return LeaderboardRow(
         score=score,
         ppl_ratio=interval.ratio,
         ppl_ratio_low=interval.low,
         ppl_ratio_high=interval.high,
+        cloze_p_value=cloze.p_value,
+        cloze_delta=cloze.accuracy_delta,
         speedup=score.decode_tok_s / base.decode_tok_s,
-        within_budget=is_baseline or interval.high <= 1 + cfg.max_ppl_increase,
+        within_budget=is_baseline or (interval.high <= 1 + cfg.max_ppl_increase and not significantly_worse),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,3 +47,25 @@ def paired_bootstrap_ppl_ratio(
     tail = (1 - confidence) / 2
     low, high = np.exp(np.quantile(log_ratios, [tail, 1 - tail]))
     return RatioInterval(point, float(low), float(high), confidence)
+
+
+@dataclass(frozen=True)
+class McNemarResult:
+    """Exact McNemar test on paired correctness: only items where the two models disagree carry information."""
+
+    baseline_only: int  # items the baseline got right and the variant wrong
+    variant_only: int
+    p_value: float
+    accuracy_delta: float
+
+
+def mcnemar_exact(baseline_correct: list[bool], variant_correct: list[bool]) -> McNemarResult:
+    """Two-sided exact binomial test of the discordant pairs (b vs c, p = 0.5)."""
+    if len(baseline_correct) != len(variant_correct):
+        raise GateError("cannot pair cloze results: the variant answered a different item set")
+    b = sum(base and not var for base, var in zip(baseline_correct, variant_correct, strict=True))
+    c = sum(var and not base for base, var in zip(baseline_correct, variant_correct, strict=True))
+    n = b + c
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n if n else 1.0
+    delta = (c - b) / len(baseline_correct) if baseline_correct else 0.0
+    return McNemarResult(b, c, min(1.0, 2 * tail), delta)

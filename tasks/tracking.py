@@ -107,6 +107,7 @@ def log_variant_run(
         "eval_tokens": evaluation.perplexity.predicted_tokens,
         "token_agreement": evaluation.agreement.token_agreement,
         "exact_match": evaluation.agreement.exact_match,
+        "cloze_accuracy": evaluation.cloze.accuracy,
         "decode_tok_s": bench.decode_tok_s,
         "ttft_ms": bench.ttft_ms,
         "load_s": bench.load_s,
@@ -155,6 +156,8 @@ def log_reports(
             "ppl_ratio_ci_low": row.ppl_ratio_low,
             "ppl_ratio_ci_high": row.ppl_ratio_high,
             "speedup": row.speedup,
+            "cloze_p_value": row.cloze_p_value,
+            "cloze_delta": row.cloze_delta,
             "within_budget": float(row.within_budget),
         }
         metrics = [Metric(k, float(v), 0, 0) for k, v in comparison.items()]

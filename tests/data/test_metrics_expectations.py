@@ -11,7 +11,8 @@ from tasks.expectations import validate_metrics_table
 def row(variant: str, **overrides) -> dict:
     values = {
         "perplexity": 20.0,
-        "token_agreement": 0.8,
+        "token_agreement": 0.0,  # zero agreement is possible, not invalid
+        "cloze_accuracy": 0.5,
         "decode_tok_s": 30.0,
         "ttft_ms": 100.0,
         "size_bytes": 1000,
@@ -32,6 +33,7 @@ def test_a_complete_finite_table_passes():
         ({"perplexity": 0.9}, "expect_column_values_to_be_between(column='perplexity'"),
         ({"ttft_ms": 0.0}, "expect_column_values_to_be_between(column='ttft_ms'"),
         ({"token_agreement": 1.5}, "expect_column_values_to_be_between(column='token_agreement'"),
+        ({"cloze_accuracy": -0.1}, "expect_column_values_to_be_between(column='cloze_accuracy'"),
     ],
 )
 def test_impossible_metrics_stop_selection_naming_the_expectation(bad, expectation):

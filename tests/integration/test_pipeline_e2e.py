@@ -61,6 +61,8 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
         assert child.data.metrics["size_mb"] > 0
         assert child.data.metrics["ppl_ratio_ci_low"] <= child.data.metrics["ppl_ratio_ci_high"]
         assert 0.0 <= child.data.metrics["token_agreement"] <= 1.0
+        assert 0.0 <= child.data.metrics["cloze_accuracy"] <= 1.0
+        assert 0.0 <= child.data.metrics["cloze_p_value"] <= 1.0
     baseline = next(c for c in children if c.info.run_name == "baseline")
     assert baseline.data.metrics["token_agreement"] == 1.0
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "reports")}

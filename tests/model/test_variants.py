@@ -84,10 +84,12 @@ def test_agreement_is_total_for_the_same_graph_and_reported_for_every_variant(va
     )
     baseline = evaluate_variant(load_runtime(variants["baseline"], threads=1), texts, cfg, None)
     assert baseline.agreement.token_agreement == 1.0 and baseline.agreement.prompts == 3
+    assert 0.0 <= baseline.cloze.accuracy <= 1.0
     onnx = evaluate_variant(
         load_runtime(variants["onnx_fp32"], threads=1), texts, cfg, baseline.continuations
     )
     assert onnx.agreement.exact_match == 1.0
+    assert onnx.cloze.correct == baseline.cloze.correct
     int4 = evaluate_variant(
         load_runtime(variants["onnx_int4"], threads=1), texts, cfg, baseline.continuations
     )

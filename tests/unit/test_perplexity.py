@@ -3,7 +3,14 @@ import math
 import pytest
 
 from tasks.config import EvaluateConfig
-from tasks.evaluate import evaluate_perplexity, greedy_agreement, make_windows, perplexity_from_losses
+from tasks.evaluate import (
+    cloze_accuracy,
+    cloze_items,
+    evaluate_perplexity,
+    greedy_agreement,
+    make_windows,
+    perplexity_from_losses,
+)
 
 
 def test_windows_are_non_overlapping_and_capped():
@@ -54,3 +61,33 @@ def test_agreement_of_a_shorter_continuation_counts_missing_tokens_as_mismatches
 def test_agreement_needs_the_same_prompts():
     with pytest.raises(ValueError, match="same, non-empty"):
         greedy_agreement([[1]], [])
+
+
+def test_cloze_items_take_sentence_final_words_with_preceding_context():
+    text = "one two three four five six seven eight nine ten. Alpha beta gamma delta epsilon zeta eta theta iota kappa!"
+    items = cloze_items([text], count=10, context_words=3)
+    assert [(i.context, i.target) for i in items] == [
+        ("seven eight nine", "ten"),
+        ("eta theta iota", "kappa"),
+    ]
+    assert len(cloze_items([text], count=1, context_words=3)) == 1
+
+
+class EchoRuntime:
+    """Continues every prompt with a fixed word: correct exactly where that word is the target."""
+
+    def encode(self, text):
+        return [len(text)]
+
+    def decode(self, ids):
+        return " Kappa, and more"
+
+    def generate(self, prompts, max_new_tokens, stop_at_eos=True):
+        return [[0] for _ in prompts]
+
+
+def test_cloze_accuracy_compares_the_first_generated_word_case_insensitively():
+    text = "one two three four five six seven eight nine ten. Alpha beta gamma delta epsilon zeta eta theta iota kappa!"
+    result = cloze_accuracy(EchoRuntime(), cloze_items([text], 10, 3), max_new_tokens=4)
+    assert result.correct == [False, True]
+    assert result.accuracy == 0.5

@@ -12,13 +12,30 @@ BASE_NLL = tuple(
 )  # windows of unequal difficulty
 
 
-def score(name: str, ratio: float, speed: float, per_window: list[float] | None = None) -> VariantScore:
+CLOZE = (True,) * 30 + (False,) * 34  # the baseline gets 30 of 64 cloze items right
+
+
+def score(
+    name: str, ratio: float, speed: float, per_window: list | None = None, cloze: tuple = CLOZE
+) -> VariantScore:
     """A variant whose perplexity is `ratio` × the baseline's (per window, unless `per_window` ratios are given)."""
     ratios = per_window or [ratio] * len(TOKENS)
     nll = tuple(b + math.log(r) * t for b, r, t in zip(BASE_NLL, ratios, TOKENS, strict=True))
     perplexity = math.exp(sum(nll) / sum(TOKENS))
+    accuracy = sum(cloze) / len(cloze)
     return VariantScore(
-        name, perplexity, 0.9, speed, 10.0, 1000, 1.0, 10, window_nll=nll, window_tokens=TOKENS
+        name,
+        perplexity,
+        0.9,
+        accuracy,
+        speed,
+        10.0,
+        1000,
+        1.0,
+        10,
+        window_nll=nll,
+        window_tokens=TOKENS,
+        cloze_correct=cloze,
     )
 
 
@@ -43,6 +60,22 @@ def test_gate_refuses_when_ci_upper_bound_exceeds_threshold():
     assert row.ppl_ratio < 1.05 < row.ppl_ratio_high
     assert not row.within_budget
     assert board.winner == "baseline"
+
+
+def test_gate_refuses_a_variant_significantly_worse_on_cloze():
+    """Perplexity identical, but 12 items the baseline answered are now wrong and none gained: McNemar p < 0.001."""
+    worse = score("worse", 1.0, 30, cloze=(False,) * 12 + (True,) * 18 + (False,) * 34)
+    board = build_leaderboard([score("baseline", 1.0, 10), worse], SelectConfig())
+    row = next(r for r in board.rows if r.score.variant == "worse")
+    assert row.cloze_p_value < 0.001 and row.cloze_delta == pytest.approx(-12 / 64)
+    assert board.winner == "baseline"
+
+
+def test_a_small_cloze_difference_does_not_block_a_variant():
+    slightly = score("slightly", 1.0, 30, cloze=(False,) * 2 + (True,) * 28 + (False,) * 34)
+    board = build_leaderboard([score("baseline", 1.0, 10), slightly], SelectConfig())
+    assert board.rows[0].cloze_p_value == pytest.approx(0.5)
+    assert board.winner == "slightly"
 
 
 def test_baseline_wins_when_every_variant_exceeds_the_budget():

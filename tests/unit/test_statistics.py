@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from tasks.errors import GateError
-from tasks.statistics import paired_bootstrap_ppl_ratio
+from tasks.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
 
 TOKENS = [255] * 16
 
@@ -53,3 +53,21 @@ def test_same_seed_same_interval_and_wider_at_higher_confidence():
 def test_windows_that_do_not_pair_are_refused():
     with pytest.raises(GateError, match="cannot pair"):
         paired_bootstrap_ppl_ratio([1.0], [10], [1.0], [11], resamples=10, confidence=0.9, seed=0)
+
+
+def test_mcnemar_matches_the_exact_binomial_tail():
+    # 10 discordant pairs, all against the variant: p = 2 * 0.5**10
+    result = mcnemar_exact([True] * 10 + [False] * 5, [False] * 10 + [False] * 5)
+    assert (result.baseline_only, result.variant_only) == (10, 0)
+    assert result.p_value == pytest.approx(2 / 1024)
+    assert result.accuracy_delta == pytest.approx(-10 / 15)
+
+
+def test_mcnemar_of_identical_answers_or_balanced_disagreement_is_one():
+    assert mcnemar_exact([True, False], [True, False]).p_value == 1.0
+    assert mcnemar_exact([True, False], [False, True]).p_value == 1.0
+
+
+def test_mcnemar_refuses_unpaired_items():
+    with pytest.raises(GateError, match="cannot pair"):
+        mcnemar_exact([True], [True, False])
