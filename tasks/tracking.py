@@ -13,6 +13,7 @@ from tasks.benchmark import BenchmarkResult
 from tasks.config import Config, TrackingConfig, VariantConfig
 from tasks.evaluate import VariantEvaluation
 from tasks.manifest import VariantManifest
+from tasks.plots import tradeoff_plot
 from tasks.select import Leaderboard
 
 
@@ -129,7 +130,7 @@ def log_variant_run(
 
 
 def write_reports(board: Leaderboard, folder: Path) -> list[Path]:
-    """Leaderboard as JSON, CSV and markdown plus the DVC metrics file; returns the files written."""
+    """Leaderboard as JSON, CSV and markdown, the DVC metrics file and the trade-off plot; returns the files."""
     folder.mkdir(parents=True, exist_ok=True)
     files = {
         "leaderboard.json": board.to_json(),
@@ -139,7 +140,7 @@ def write_reports(board: Leaderboard, folder: Path) -> list[Path]:
     }
     for name, text in files.items():
         (folder / name).write_text(text)
-    return [folder / name for name in files]
+    return [folder / name for name in files] + [tradeoff_plot(board, folder / "tradeoff.png")]
 
 
 def log_reports(

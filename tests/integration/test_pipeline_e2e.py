@@ -66,7 +66,7 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
     baseline = next(c for c in children if c.info.run_name == "baseline")
     assert baseline.data.metrics["token_agreement"] == 1.0
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "reports")}
-    assert "reports/leaderboard.md" in artifacts
+    assert {"reports/leaderboard.md", "reports/tradeoff.png"} <= artifacts
 
 
 def test_winner_is_registered_with_lineage_and_both_aliases(project):
