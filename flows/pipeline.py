@@ -30,7 +30,6 @@ class PipelineOutcome:
     registration: Registration
     aliases: list[str]
     gate_reason: str
-    parent_run_id: str
 
 
 def workdir(config: Config, root: Path) -> Path:
@@ -120,7 +119,7 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
             config, winner_dir, manifests[board.winner], runs[board.winner], tags, board.winner_summary()
         )
         aliases = promote(registration, verdict)
-    return PipelineOutcome(board, registration, aliases, verdict.reason, parent_id)
+    return PipelineOutcome(board, registration, aliases, verdict.reason)
 
 
 def _baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tasks.config import EvaluateConfig
+from tasks.errors import DataValidationError
 from tasks.runtime import Runtime
 
 
@@ -113,6 +114,10 @@ def evaluate_variant(
     continuations = runtime.generate(prompts, cfg.agreement_new_tokens, stop_at_eos=False)
     agreement = greedy_agreement(reference if reference is not None else continuations, continuations)
     items = cloze_items(texts, cfg.cloze_items, cfg.cloze_context_words)
+    if not items:
+        raise DataValidationError(
+            "evaluation split has no cloze items (sentences ending in a word, at least 8 words into a passage)"
+        )
     cloze = cloze_accuracy(runtime, items, cfg.cloze_new_tokens)
     return VariantEvaluation(perplexity, agreement, continuations, cloze)
 

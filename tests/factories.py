@@ -16,13 +16,13 @@ VERBS = _VERB_TEXT.split()
 
 
 def synthetic_sentences(count: int, seed: int) -> list[str]:
-    """Simple subject-verb-object sentences: learnable structure, unique with overwhelming probability."""
+    """Simple sentences ending in a word (cloze items): learnable structure, unique with overwhelming probability."""
     rng = random.Random(seed)
     sentences = []
     for _ in range(count):
         subject, obj, place = rng.sample(WORDS, 3)
         sentences.append(
-            f"The {subject} {rng.choice(VERBS)} the {obj} near the {place} {rng.randint(1, 999)}."
+            f"Near the {place} {rng.randint(1, 999)}, the {subject} {rng.choice(VERBS)} the {obj}."
         )
     return sentences
 

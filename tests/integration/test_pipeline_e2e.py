@@ -59,12 +59,16 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
         assert child.data.metrics["perplexity"] > 1
         assert child.data.metrics["decode_tok_s"] > 0
         assert child.data.metrics["size_mb"] > 0
-        assert child.data.metrics["ppl_ratio_ci_low"] <= child.data.metrics["ppl_ratio_ci_high"]
-        assert 0.0 <= child.data.metrics["token_agreement"] <= 1.0
-        assert 0.0 <= child.data.metrics["cloze_accuracy"] <= 1.0
-        assert 0.0 <= child.data.metrics["cloze_p_value"] <= 1.0
-    baseline = next(c for c in children if c.info.run_name == "baseline")
-    assert baseline.data.metrics["token_agreement"] == 1.0
+        assert {
+            "ppl_ratio_ci_high",
+            "token_agreement",
+            "cloze_accuracy",
+            "cloze_p_value",
+        } <= child.data.metrics.keys()
+    baseline = next(c for c in children if c.info.run_name == "baseline").data.metrics
+    # compared with itself: every statistic must be exactly neutral
+    assert baseline["ppl_ratio_ci_low"] == baseline["ppl_ratio_ci_high"] == baseline["token_agreement"] == 1.0
+    assert baseline["cloze_p_value"] == 1.0 and baseline["cloze_delta"] == 0.0
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "reports")}
     assert {"reports/leaderboard.md", "reports/tradeoff.png"} <= artifacts
 
@@ -143,7 +147,7 @@ def test_server_answers_completions_from_the_production_alias(project):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         assert [m.id for m in client.models.list()] == [served]
         reply = client.completions.create(model=served, prompt="The river", max_tokens=4)
-        assert reply.usage.completion_tokens <= 4 and isinstance(reply.choices[0].text, str)
+        assert reply.model == served and reply.usage.completion_tokens <= 4
         bad = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": -1})
         assert bad.status_code == 422
     finally:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tasks.config import EvaluateConfig, VariantConfig
+from tasks.errors import DataValidationError
 from tasks.evaluate import evaluate_perplexity, evaluate_variant
 from tasks.hashing import folder_sha256
 from tasks.load import BaseModel
@@ -78,22 +79,28 @@ def test_onnx_fp32_generates_exactly_what_torch_fp32_generates(variants):
 
 
 def test_agreement_is_total_for_the_same_graph_and_reported_for_every_variant(variants):
-    texts = [PROMPT + " " + str(i) for i in range(3)]
+    texts = [
+        f"{PROMPT} {i} and then the river finds the quiet garden." for i in range(3)
+    ]  # one cloze item each
     cfg = EvaluateConfig(
         window=16, max_tokens=64, agreement_prompts=3, agreement_prompt_tokens=8, agreement_new_tokens=6
     )
     baseline = evaluate_variant(load_runtime(variants["baseline"], threads=1), texts, cfg, None)
     assert baseline.agreement.token_agreement == 1.0 and baseline.agreement.prompts == 3
-    assert 0.0 <= baseline.cloze.accuracy <= 1.0
+    assert len(baseline.cloze.correct) == 3
     onnx = evaluate_variant(
         load_runtime(variants["onnx_fp32"], threads=1), texts, cfg, baseline.continuations
     )
     assert onnx.agreement.exact_match == 1.0
     assert onnx.cloze.correct == baseline.cloze.correct
-    int4 = evaluate_variant(
-        load_runtime(variants["onnx_int4"], threads=1), texts, cfg, baseline.continuations
-    )
-    assert 0.0 <= int4.agreement.token_agreement <= 1.0
+
+
+def test_evaluation_text_without_cloze_items_is_refused(variants):
+    cfg = EvaluateConfig(window=16, max_tokens=64, agreement_prompts=1, agreement_new_tokens=2)
+    with pytest.raises(DataValidationError, match="no cloze items"):
+        evaluate_variant(
+            load_runtime(variants["baseline"], threads=1), ["numbers only 1 2 3 4 5 6 7 8 9."], cfg, None
+        )
 
 
 def test_onnx_int4_is_smaller_than_int8_and_fp32(variants):
