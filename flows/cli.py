@@ -48,6 +48,37 @@ def run(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) 
 
 
 @app.command()
+def bench(
+    params: ParamsOption = Path("params.yaml"),
+    trials: Annotated[
+        int,
+        typer.Option(min=1, max=20, help="Benchmark every variant this many times; the spread is reported."),
+    ] = 2,
+    compare: Annotated[
+        Path | None,
+        typer.Option(
+            help="A previous bench.json (or its folder) to compare with; refused from another machine."
+        ),
+    ] = None,
+    debug: DebugOption = False,
+) -> None:
+    """Benchmark all variants side by side (batch sizes, TTFT by prompt length, latency percentiles, roofline),
+    repeated `--trials` times; writes .llmopt/bench/ (table, CSV, plots, bench.json) and logs an MLflow run."""
+    with _user_errors(debug):
+        config, root = _setup_flow_run(params, debug)
+        from flows.bench import bench_flow
+
+        outcome = bench_flow(config, root, trials, compare.resolve() if compare else None)
+        _print_leaderboard(outcome.leaderboard)
+        _print_spread(outcome.spread)
+        if outcome.previous is not None:
+            _print_comparison(outcome.previous, outcome.spread)
+        console.print(
+            f"Reports: {outcome.folder} (bench.json, spread.csv, leaderboard.*, tradeoff.png, speed.png)"
+        )
+
+
+@app.command()
 def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Materialize the base model folder and the validated calibration/evaluation splits."""
     with _user_errors(debug):
@@ -153,18 +184,56 @@ class _user_errors:
 
 
 def _print_leaderboard(board) -> None:
-    from tasks.select import TABLE_COLUMNS, table_cells
+    from tasks.select import table_cells, table_columns
 
     table = Table(
         title=f"Leaderboard (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} at {board.confidence:.0%} confidence; ★ winner)"
     )
-    for column in TABLE_COLUMNS:
+    for column in table_columns(board):
         table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
     for cells in table_cells(board):
         table.add_row(*cells)
+    _wide_console().print(table)
+
+
+def _print_spread(spread) -> None:
+    table = Table(title="Repeatability: median over trials ± half the spread (max − min) / median")
+    table.add_column("variant", no_wrap=True)
+    metrics = list(dict.fromkeys(row.metric for row in spread))
+    for metric in metrics:
+        table.add_column(metric, justify="right", no_wrap=True)
+    for variant in dict.fromkeys(row.variant for row in spread):
+        cells = {row.metric: row.summary for row in spread if row.variant == variant}
+        table.add_row(variant, *[cells[m] for m in metrics])
+    _wide_console().print(table)
+
+
+def _print_comparison(previous: dict, spread) -> None:
+    """Batch-1 decode speed now vs the compared run (same fingerprint), per variant present in both."""
+    import statistics
+
+    table = Table(title="Against the compared run (same machine fingerprint): batch-1 decode tok/s")
+    for column in ("variant", "before", "now", "change", "spread now"):
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
+    for row in spread:
+        trials = previous["trials"].get(row.variant)
+        if row.metric != "decode tok/s bs1" or not trials:
+            continue
+        before = statistics.median(trial["decode_tok_s"] for trial in trials)
+        table.add_row(
+            row.variant,
+            f"{before:.1f}",
+            f"{row.median:.1f}",
+            f"{row.median / before - 1:+.1%}",
+            f"{row.spread:.1%}",
+        )
+    _wide_console().print(table)
+
+
+def _wide_console() -> Console:
     out = Console()
     out.width = max(out.width, 160)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
-    out.print(table)
+    return out
 
 
 if __name__ == "__main__":

@@ -9,10 +9,21 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.progress import progress_bar
-from tasks.benchmark import BenchmarkResult, benchmark_in_fresh_process
+from tasks.benchmark import (
+    BenchmarkResult,
+    benchmark_in_fresh_process,
+    memory_read_bandwidth_gbs,
+    roofline_fraction,
+)
 from tasks.config import Config, VariantConfig
 from tasks.data import PreparedData, prepare_data, read_split
-from tasks.evaluate import VariantEvaluation, evaluate_variant
+from tasks.evaluate import (
+    VariantEvaluation,
+    evaluate_variant,
+    evaluation_key,
+    load_evaluation,
+    save_evaluation,
+)
 from tasks.expectations import validate_metrics_table
 from tasks.fingerprint import machine_fingerprint
 from tasks.load import BaseModel, prepare_base_model
@@ -56,11 +67,24 @@ def optimize_task(
 
 @task(name="evaluate", task_run_name="evaluate-{folder.name}", cache_policy=NO_CACHE)
 def evaluate_task(
-    folder: Path, texts: list[str], config: Config, reference: list[list[int]] | None
+    folder: Path,
+    manifest: VariantManifest,
+    texts: list[str],
+    config: Config,
+    reference: list[list[int]] | None,
+    cache: Path,
 ) -> VariantEvaluation:
+    """Evaluate through the Runtime, or reuse the saved result for the same bytes, text, settings and code."""
+    key = evaluation_key(manifest.content_hash, texts, config.evaluate, reference)
+    saved = load_evaluation(cache / f"{folder.name}.json", key)
+    if saved is not None:
+        get_run_logger().info(f"{folder.name}: evaluation unchanged since the last run, reused")
+        return saved
     runtime = load_runtime(folder, config.target.threads)
     with progress_bar(f"perplexity {folder.name}") as update:
-        return evaluate_variant(runtime, texts, config.evaluate, reference, update)
+        evaluation = evaluate_variant(runtime, texts, config.evaluate, reference, update)
+    save_evaluation(cache / f"{folder.name}.json", key, evaluation)
+    return evaluation
 
 
 @task(name="benchmark", task_run_name="benchmark-{folder.name}", cache_policy=NO_CACHE)
@@ -92,23 +116,27 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     base, data = prepare_flow_inputs(config, root)
     texts = read_split(data.folder, "evaluation")
     fingerprint = machine_fingerprint(config.target.threads)
+    bandwidth = memory_read_bandwidth_gbs(config.target.threads)
+    logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
         scores, manifests, runs, reference = [], {}, {}, None
-        for name, variant in _baseline_first(config):
+        evaluations = workdir(config, root) / "evaluations"
+        for name, variant in baseline_first(config):
             folder = workdir(config, root) / "variants" / name
             manifest = optimize_task(name, variant, base, data.content_hash, folder)
-            evaluation = evaluate_task(folder, texts, config, reference)
+            evaluation = evaluate_task(folder, manifest, texts, config, reference, evaluations)
             reference = reference or evaluation.continuations
             bench = benchmark_task(folder, config, texts[0])
             runs[name] = log_variant_run(experiment_id, parent_id, variant, manifest, evaluation, bench)
             manifests[name] = manifest
-            scores.append(_score(name, manifest, evaluation, bench))
+            scores.append(variant_score(name, manifest, evaluation, bench, bandwidth))
             logger.info(f"{name}: ppl {evaluation.perplexity.perplexity:.2f}, {bench.decode_tok_s:.1f} tok/s")
         validate_metrics_table([asdict(score) for score in scores], list(config.variants))
         board = build_leaderboard(scores, config.select)
-        log_reports(parent_id, board, write_reports(board, workdir(config, root) / "reports"), runs)
+        reports = write_reports(board, workdir(config, root) / "reports")
+        log_reports(parent_id, board, reports, runs, {"memory_read_bandwidth_gbs": bandwidth})
         verdict = gate_verdict(board)
         tags = {
             "llmopt.fingerprint": str(fingerprint["hash"]),
@@ -122,14 +150,18 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     return PipelineOutcome(board, registration, aliases, verdict.reason)
 
 
-def _baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
+def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
     """The baseline runs first: its greedy continuations are the reference for everyone's agreement."""
     base = config.select.baseline
     return [(base, config.variants[base])] + [(n, v) for n, v in config.variants.items() if n != base]
 
 
-def _score(
-    name: str, manifest: VariantManifest, evaluation: VariantEvaluation, bench: BenchmarkResult
+def variant_score(
+    name: str,
+    manifest: VariantManifest,
+    evaluation: VariantEvaluation,
+    bench: BenchmarkResult,
+    bandwidth_gbs: float,
 ) -> VariantScore:
     return VariantScore(
         variant=name,
@@ -144,4 +176,8 @@ def _score(
         parameters=manifest.parameters,
         window_nll=tuple(evaluation.perplexity.window_nll),
         window_tokens=tuple(evaluation.perplexity.window_tokens),
+        batch_decode_tok_s=tuple((b.batch_size, b.decode_tok_s) for b in bench.batches),
+        ttft_ms_by_prompt=tuple(sorted(bench.ttft_ms_by_prompt.items())),
+        latency_p95_ms=bench.latency_ms["p95"],
+        roofline_fraction=roofline_fraction(bench.decode_tok_s, bench.weight_bytes, bandwidth_gbs),
     )

@@ -2,7 +2,10 @@
 
 A fresh process per variant makes peak memory honest (no allocator reuse from the previous variant) and keeps
 one variant's caches from warming the next. TTFT is the latency of generating one token from the prompt
-(prefill + first decode); decode speed is (N - 1) / (time for N tokens - TTFT), medians over the repeats.
+(prefill + first decode); decode speed is batch × (N - 1) / (time for N tokens - TTFT), medians over the
+repeats, for each configured batch size; end-to-end latency percentiles come from a fixed, seeded request set
+(prompt lengths spread over the TTFT lengths) served one request at a time. Every run goes through the Runtime
+that evaluation and serving use.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,41 +23,141 @@ from tasks.runtime import Runtime, load_runtime
 
 
 @dataclass(frozen=True)
+class BatchSpeed:
+    batch_size: int
+    ttft_ms: float  # the whole batch's first tokens (prefill of batch × prompt tokens)
+    decode_tok_s: float  # aggregate: batch × tokens after the first, per second
+    tpot_ms: float  # time per output token of one sequence (one decode step of the batch)
+    decode_tok_s_runs: list[float]
+    ttft_ms_runs: list[float]
+
+
+@dataclass(frozen=True)
 class BenchmarkResult:
     load_s: float
-    ttft_ms: float
+    ttft_ms: float  # batch 1, `prompt_tokens` prompt
     ttft_ms_runs: list[float]
-    decode_tok_s: float
+    decode_tok_s: float  # batch 1
     decode_tok_s_runs: list[float]
+    decode_tok_s_ci: tuple[float, float]  # distribution-free interval for the batch-1 median ...
+    decode_ci_coverage: (
+        float  # ... and its exact coverage (min–max of 3 runs covers the median 75 % of the time)
+    )
+    batches: list[BatchSpeed]
+    ttft_ms_by_prompt: dict[int, float]  # prompt tokens → median TTFT at batch 1
+    latency_ms: dict[str, float]  # p50/p95/p99 end-to-end latency over the fixed request set
+    latency_ms_runs: list[float]
     prompt_tokens: int
     new_tokens: int
+    weight_bytes: int  # bytes of weight files: what a decode step must read from memory
     peak_rss_mb: float
     process_rss_before_load_mb: float
     threads: int
 
 
-def decode_rate(new_tokens: int, total_s: float, ttft_s: float) -> float:
-    """Tokens per second after the first token; the first token's cost belongs to TTFT."""
-    return (new_tokens - 1) / max(total_s - ttft_s, 1e-9)
+WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")
 
 
-def measure(runtime: Runtime, prompt: list[int], cfg: BenchmarkConfig) -> tuple[list[float], list[float]]:
-    """(TTFT seconds per repeat, total seconds for `new_tokens` per repeat), after `warmup` discarded runs."""
-    for _ in range(cfg.warmup):
-        runtime.generate([prompt], cfg.new_tokens, stop_at_eos=False)
+def decode_rate(new_tokens: int, total_s: float, ttft_s: float, batch_size: int = 1) -> float:
+    """Tokens per second after the first token, all sequences of the batch together; the first token's cost
+    belongs to TTFT."""
+    return batch_size * (new_tokens - 1) / max(total_s - ttft_s, 1e-9)
+
+
+def measure(
+    runtime: Runtime, prompts: list[list[int]], new_tokens: int, warmup: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    """(TTFT seconds per repeat, total seconds for `new_tokens` per repeat) of one batch, after warm-up runs."""
+    for _ in range(warmup):
+        runtime.generate(prompts, new_tokens, stop_at_eos=False)
     ttft, total = [], []
-    for _ in range(cfg.repeats):
-        start = time.perf_counter()
-        runtime.generate([prompt], 1, stop_at_eos=False)
-        ttft.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        runtime.generate([prompt], cfg.new_tokens, stop_at_eos=False)
-        total.append(time.perf_counter() - start)
+    for _ in range(repeats):
+        ttft.append(_timed(lambda: runtime.generate(prompts, 1, stop_at_eos=False)))
+        total.append(_timed(lambda: runtime.generate(prompts, new_tokens, stop_at_eos=False)))
     return ttft, total
 
 
+def batch_speed(runtime: Runtime, prompt: list[int], batch_size: int, cfg: BenchmarkConfig) -> BatchSpeed:
+    """Decode speed with `batch_size` copies of the prompt generated together."""
+    ttft, total = measure(runtime, [prompt] * batch_size, cfg.new_tokens, cfg.warmup, cfg.repeats)
+    median_ttft, median_total = statistics.median(ttft), statistics.median(total)
+    return BatchSpeed(
+        batch_size=batch_size,
+        ttft_ms=median_ttft * 1000,
+        decode_tok_s=decode_rate(cfg.new_tokens, median_total, median_ttft, batch_size),
+        tpot_ms=(median_total - median_ttft) / (cfg.new_tokens - 1) * 1000,
+        decode_tok_s_runs=[
+            decode_rate(cfg.new_tokens, t, f, batch_size) for t, f in zip(total, ttft, strict=True)
+        ],
+        ttft_ms_runs=[t * 1000 for t in ttft],
+    )
+
+
+def ttft_by_prompt_length(runtime: Runtime, ids: list[int], lengths: list[int], cfg: BenchmarkConfig) -> dict:
+    """Median time to the first token at batch 1 for prompts of each length."""
+    result = {}
+    for length in lengths:
+        prompt = repeat_to_length(ids, length)
+        for _ in range(cfg.warmup):
+            runtime.generate([prompt], 1, stop_at_eos=False)
+        runs = [
+            _timed(lambda p=prompt: runtime.generate([p], 1, stop_at_eos=False)) for _ in range(cfg.repeats)
+        ]
+        result[length] = statistics.median(runs) * 1000
+    return result
+
+
+def request_latencies(runtime: Runtime, requests: list[list[int]], new_tokens: int) -> list[float]:
+    """End-to-end milliseconds of each request of the fixed set, served one after another at batch 1."""
+    return [_timed(lambda r=r: runtime.generate([r], new_tokens, stop_at_eos=False)) * 1000 for r in requests]
+
+
+def request_set(
+    ids: list[int], count: int, min_tokens: int, max_tokens: int, seed: int = 0
+) -> list[list[int]]:
+    """A fixed, seeded set of prompts with lengths spread between min and max tokens (same for every variant)."""
+    import random
+
+    rng = random.Random(seed)
+    return [
+        repeat_to_length(ids[rng.randrange(len(ids)) :] or ids, rng.randint(min_tokens, max_tokens))
+        for _ in range(count)
+    ]
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    import numpy as np
+
+    return {f"p{q}": float(np.percentile(values, q)) for q in (50, 95, 99)}
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """Distribution-free interval for the median from order statistics: the narrowest symmetric pair
+    (x_(k), x_(n-k+1)) whose binomial coverage reaches `confidence`, else min–max; returns (low, high, coverage)."""
+    from math import comb
+
+    ordered, n = sorted(values), len(values)
+    best = (ordered[0], ordered[-1], 1 - 2 * 0.5**n)
+    for k in range(1, n // 2 + 1):
+        coverage = 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n
+        if coverage < confidence:
+            break
+        best = (ordered[k - 1], ordered[n - k], coverage)
+    return best
+
+
+def repeat_to_length(ids: list[int], length: int) -> list[int]:
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(
+        f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES)
+    )
+
+
 def benchmark_variant(folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int) -> BenchmarkResult:
-    """Load the variant, build a prompt of exactly `prompt_tokens` tokens, measure TTFT and decode speed."""
+    """Load the variant and measure TTFT, decode speed per batch size and latency over the request set."""
     rss_before = _rss_mb()
     start = time.perf_counter()
     runtime = load_runtime(folder, threads)
@@ -61,21 +165,92 @@ def benchmark_variant(folder: Path, cfg: BenchmarkConfig, prompt_text: str, thre
     ids = runtime.encode(prompt_text)
     if not ids:
         raise ValueError("benchmark prompt text tokenizes to nothing")
-    prompt = (ids * (cfg.prompt_tokens // len(ids) + 1))[: cfg.prompt_tokens]
-    ttft, total = measure(runtime, prompt, cfg)
-    median_ttft = statistics.median(ttft)
+    prompt = repeat_to_length(ids, cfg.prompt_tokens)
+    batches = [batch_speed(runtime, prompt, size, cfg) for size in cfg.batch_sizes]
+    single = next(b for b in batches if b.batch_size == 1)
+    requests = request_set(ids, cfg.requests, min(cfg.ttft_prompt_tokens), max(cfg.ttft_prompt_tokens))
+    latencies = request_latencies(runtime, requests, cfg.request_new_tokens)
+    low, high, coverage = median_interval(single.decode_tok_s_runs)
     return BenchmarkResult(
         load_s=load_s,
-        ttft_ms=median_ttft * 1000,
-        ttft_ms_runs=[t * 1000 for t in ttft],
-        decode_tok_s=decode_rate(cfg.new_tokens, statistics.median(total), median_ttft),
-        decode_tok_s_runs=[decode_rate(cfg.new_tokens, t, f) for t, f in zip(total, ttft, strict=True)],
+        ttft_ms=single.ttft_ms,
+        ttft_ms_runs=single.ttft_ms_runs,
+        decode_tok_s=single.decode_tok_s,
+        decode_tok_s_runs=single.decode_tok_s_runs,
+        decode_tok_s_ci=(low, high),
+        decode_ci_coverage=coverage,
+        batches=batches,
+        ttft_ms_by_prompt=ttft_by_prompt_length(runtime, ids, cfg.ttft_prompt_tokens, cfg),
+        latency_ms=percentiles(latencies),
+        latency_ms_runs=latencies,
         prompt_tokens=len(prompt),
         new_tokens=cfg.new_tokens,
+        weight_bytes=weight_bytes(folder),
         peak_rss_mb=_peak_rss_mb(),
         process_rss_before_load_mb=rss_before,
         threads=threads,
     )
+
+
+@dataclass(frozen=True)
+class TrialSpread:
+    """How much one metric of one variant moved between repeated benchmark trials."""
+
+    variant: str
+    metric: str
+    values: list[float]  # one per trial, in trial order
+    median: float
+    spread: float  # (max - min) / median
+
+    @property
+    def summary(self) -> str:
+        return f"{self.median:.1f} ±{self.spread / 2:.1%}"
+
+
+SPREAD_METRICS = {
+    "decode tok/s bs1": lambda r: r.decode_tok_s,
+    "decode tok/s top batch": lambda r: r.batches[-1].decode_tok_s,
+    "TTFT ms": lambda r: r.ttft_ms,
+    "p95 latency ms": lambda r: r.latency_ms["p95"],
+}
+
+
+def trial_spread(results: dict[str, list[BenchmarkResult]]) -> list[TrialSpread]:
+    """Per variant and headline metric: the values of every trial, their median and relative spread."""
+    rows = []
+    for variant, trials in results.items():
+        for metric, read in SPREAD_METRICS.items():
+            values = [read(trial) for trial in trials]
+            median = statistics.median(values)
+            rows.append(TrialSpread(variant, metric, values, median, (max(values) - min(values)) / median))
+    return rows
+
+
+def median_trial(trials: list[BenchmarkResult]) -> BenchmarkResult:
+    """The trial with the median batch-1 decode speed (the lower middle one for an even count)."""
+    speeds = sorted(trials, key=lambda trial: trial.decode_tok_s)
+    return speeds[(len(speeds) - 1) // 2]
+
+
+def memory_read_bandwidth_gbs(threads: int, megabytes: int = 512, trials: int = 5) -> float:
+    """The machine's memory read bandwidth: best of `trials` sums over a buffer far larger than the caches."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    best = min(_timed(buffer.sum) for _ in range(trials))
+    return buffer.numel() * 4 / best / 1e9
+
+
+def roofline_fraction(decode_tok_s: float, weight_bytes: int, bandwidth_gbs: float) -> float:
+    """Decode speed as a share of the memory-bound ceiling: each batch-1 token reads every weight once."""
+    return decode_tok_s * weight_bytes / (bandwidth_gbs * 1e9)
+
+
+def _timed(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def benchmark_in_fresh_process(
@@ -84,6 +259,7 @@ def benchmark_in_fresh_process(
     """Run `benchmark_variant` in a newly spawned interpreter and return its result."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         result = pool.submit(_benchmark_as_dict, str(folder), cfg.model_dump(), prompt_text, threads).result()
+    result["batches"] = [BatchSpeed(**batch) for batch in result["batches"]]
     return BenchmarkResult(**result)
 
 

@@ -63,9 +63,25 @@ class EvaluateConfig(Strict):
 
 class BenchmarkConfig(Strict):
     prompt_tokens: Annotated[int, Field(ge=1, le=8192)] = 128
-    new_tokens: Annotated[int, Field(ge=2, le=4096)] = 64
+    new_tokens: Annotated[int, Field(ge=2, le=4096)] = 32
+    batch_sizes: Annotated[list[Annotated[int, Field(ge=1, le=256)]], Field(min_length=1)] = [1, 4, 8]
+    ttft_prompt_tokens: Annotated[list[Annotated[int, Field(ge=1, le=8192)]], Field(min_length=1)] = [
+        32,
+        128,
+        512,
+    ]
+    requests: Annotated[int, Field(ge=1, le=10_000)] = 12
+    request_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
     warmup: Annotated[int, Field(ge=0)] = 1
     repeats: Annotated[int, Field(ge=1)] = 3
+
+    @model_validator(mode="after")
+    def _batch_one_measured(self) -> BenchmarkConfig:
+        if 1 not in self.batch_sizes:
+            raise ValueError("batch_sizes must include 1 (the latency a single user sees)")
+        if len(set(self.batch_sizes)) != len(self.batch_sizes):
+            raise ValueError("batch_sizes must not repeat a size")
+        return self
 
 
 class TargetConfig(Strict):

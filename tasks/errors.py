@@ -27,3 +27,11 @@ class GateError(LlmoptError):
 
 class RegistryError(LlmoptError):
     """The MLflow Model Registry does not hold what was asked for."""
+
+
+class TargetError(LlmoptError):
+    """A step or setting the target hardware cannot run (named with the alternative)."""
+
+
+class ComparisonError(LlmoptError):
+    """Two results that must not be compared (measured on different machines or software)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from tasks.config import EvaluateConfig
 from tasks.errors import DataValidationError
@@ -160,3 +161,54 @@ def cloze_accuracy(runtime: Runtime, items: list[ClozeItem], max_new_tokens: int
 def _first_word(text: str) -> str:
     words = text.split()
     return words[0].strip(".,;:!?\"'()").lower() if words else ""
+
+
+def evaluation_key(
+    content_hash: str, texts: list[str], cfg: EvaluateConfig, reference: list[list[int]] | None
+) -> str:
+    """Identity of an evaluation: same variant bytes, evaluation text, settings, reference and measuring code."""
+    import hashlib
+    import json
+    from importlib import metadata
+    from pathlib import Path
+
+    code = b"".join((Path(__file__).parent / name).read_bytes() for name in ("evaluate.py", "runtime.py"))
+    parts = {
+        "variant": content_hash,
+        "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+        "settings": cfg.model_dump(mode="json"),
+        "reference": reference,
+        "code": hashlib.sha256(code).hexdigest(),
+        "versions": [metadata.version(p) for p in ("torch", "transformers", "onnxruntime-genai")],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def save_evaluation(path: Path, key: str, evaluation: VariantEvaluation) -> None:
+    """Keep an evaluation beside its key so an unchanged variant is not evaluated twice (e.g. by `llmopt bench`)."""
+    import json
+    from dataclasses import asdict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(".partial")
+    staging.write_text(json.dumps({"key": key, "evaluation": asdict(evaluation)}))
+    staging.replace(path)
+
+
+def load_evaluation(path: Path, key: str) -> VariantEvaluation | None:
+    """The saved evaluation if its key matches, else None (missing, stale or unreadable files are recomputed)."""
+    import json
+
+    try:
+        saved = json.loads(path.read_text())
+        if saved["key"] != key:
+            return None
+        data = saved["evaluation"]
+        return VariantEvaluation(
+            PerplexityResult(**data["perplexity"]),
+            AgreementResult(**data["agreement"]),
+            data["continuations"],
+            ClozeResult(**data["cloze"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

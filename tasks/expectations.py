@@ -79,7 +79,7 @@ def validate_metrics_table(rows: list[dict[str, Any]], expected_variants: list[s
 
     frame = pd.DataFrame(rows).replace([float("inf"), float("-inf")], float("nan"))
     shares = ["token_agreement", "cloze_accuracy"]
-    positive = ["decode_tok_s", "ttft_ms", "size_bytes", "peak_rss_mb"]
+    positive = ["decode_tok_s", "ttft_ms", "size_bytes", "peak_rss_mb", "latency_p95_ms", "roofline_fraction"]
     between = gx.expectations.ExpectColumnValuesToBeBetween
     expectations = [
         gx.expectations.ExpectColumnDistinctValuesToEqualSet(column="variant", value_set=expected_variants),

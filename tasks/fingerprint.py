@@ -10,6 +10,8 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from tasks.errors import ComparisonError
+
 INTERESTING_FLAGS = (
     "avx2",
     "avx512f",
@@ -84,3 +86,19 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def ensure_comparable(previous: dict[str, object], current: dict[str, object]) -> None:
+    """Refuse to compare speed measured in different environments, naming what differs."""
+    if previous.get("hash") == current.get("hash"):
+        return
+    fields = sorted((set(previous) | set(current)) - {"hash", "git_commit"})
+    differences = [
+        f"{name}: {previous.get(name)!r} → {current.get(name)!r}"
+        for name in fields
+        if previous.get(name) != current.get(name)
+    ]
+    raise ComparisonError(
+        "refusing to compare benchmarks from different environments (fingerprint "
+        f"{previous.get('hash')} vs {current.get('hash')}): " + "; ".join(differences or ["unknown fields"])
+    )

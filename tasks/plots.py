@@ -60,3 +60,33 @@ def tradeoff_plot(board: Leaderboard, path: Path) -> Path:
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def speed_plot(board: Leaderboard, path: Path) -> Path:
+    """Three panels per variant: aggregate decode tok/s and per-sequence ms/token by batch size, TTFT by prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, per_token, ttft) = plt.subplots(1, 3, figsize=(15, 4.8), dpi=110)
+    for row in board.rows:
+        score = row.score
+        sizes = [b for b, _ in score.batch_decode_tok_s]
+        rates = [r for _, r in score.batch_decode_tok_s]
+        throughput.plot(sizes, rates, marker="o", label=score.variant)
+        per_token.plot(sizes, [1000 * b / r for b, r in score.batch_decode_tok_s], marker="o")
+        ttft.plot(*zip(*score.ttft_ms_by_prompt, strict=True), marker="o")
+    for axes, title, ylabel, xlabel in (
+        (throughput, "Throughput by batch size", "decode tokens/s (all sequences)", "batch size"),
+        (per_token, "Latency per output token", "ms per token per sequence", "batch size"),
+        (ttft, "Time to first token (batch 1)", "TTFT ms", "prompt tokens"),
+    ):
+        axes.set(title=title, ylabel=ylabel, xlabel=xlabel)
+        axes.set_yscale("log")
+        axes.grid(True, which="both", alpha=0.3)
+    throughput.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +32,8 @@ class Runtime(Protocol):
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
     ) -> list[list[int]]:
-        """Greedy continuation token ids (prompt excluded) for each prompt."""
+        """Greedy continuation token ids (prompt excluded) for each prompt; prompts of equal length run as one
+        batch."""
         ...
 
 
@@ -87,22 +89,27 @@ class TorchRuntime(_HFTokenizer):
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
     ) -> list[list[int]]:
+        return _batched_by_length(
+            prompts, lambda batch: self._generate_batch(batch, max_new_tokens, stop_at_eos)
+        )
+
+    def _generate_batch(
+        self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
+    ) -> list[list[int]]:
         import torch
 
-        outputs = []
+        extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
         with torch.inference_mode():
-            for ids in prompts:
-                extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
-                generated = self.model.generate(
-                    input_ids=torch.tensor([ids]),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                    **extra,
-                )
-                outputs.append(generated[0, len(ids) :].tolist())
-        return outputs
+            generated = self.model.generate(
+                input_ids=torch.tensor(batch),
+                attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                **extra,
+            )
+        rows = generated[:, len(batch[0]) :].tolist()
+        return [_cut_after_eos(row, self.tokenizer.eos_token_id) if stop_at_eos else row for row in rows]
 
 
 class OrtGenAIRuntime(_HFTokenizer):
@@ -126,17 +133,19 @@ class OrtGenAIRuntime(_HFTokenizer):
             ) from exc
         self._og = og
 
-    def _generator(self, prompt: list[int], max_length: int, min_length: int = 0) -> Any:
+    def _generator(self, batch: list[list[int]], max_length: int, min_length: int = 0) -> Any:
         params = self._og.GeneratorParams(self.model)
-        params.set_search_options(max_length=max_length, min_length=min_length, do_sample=False)
+        params.set_search_options(
+            batch_size=len(batch), max_length=max_length, min_length=min_length, do_sample=False
+        )
         generator = self._og.Generator(self.model, params)
-        generator.append_tokens(np.asarray(prompt, dtype=np.int32))
+        generator.append_tokens(np.asarray(batch, dtype=np.int32))
         return generator
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         results = []
         for ids in sequences:
-            logits = self._generator(ids, len(ids) + 1).get_output("logits")[0, :-1].astype(np.float64)
+            logits = self._generator([ids], len(ids) + 1).get_output("logits")[0, :-1].astype(np.float64)
             shifted = logits - logits.max(axis=-1, keepdims=True)
             log_norm = np.log(np.exp(shifted).sum(axis=-1))
             targets = np.asarray(ids[1:])
@@ -147,16 +156,43 @@ class OrtGenAIRuntime(_HFTokenizer):
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
     ) -> list[list[int]]:
-        outputs = []
-        for ids in prompts:
-            length = len(ids) + max_new_tokens
-            generator = self._generator(ids, length, min_length=0 if stop_at_eos else length)
-            tokens: list[int] = []
-            while not generator.is_done() and len(tokens) < max_new_tokens:
-                generator.generate_next_token()
-                tokens.append(int(generator.get_next_tokens()[0]))
-            outputs.append(tokens)
-        return outputs
+        return _batched_by_length(
+            prompts, lambda batch: self._generate_batch(batch, max_new_tokens, stop_at_eos)
+        )
+
+    def _generate_batch(
+        self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
+    ) -> list[list[int]]:
+        length = len(batch[0]) + max_new_tokens
+        generator = self._generator(batch, length, min_length=0 if stop_at_eos else length)
+        rows: list[list[int]] = [[] for _ in batch]
+        while not generator.is_done() and len(rows[0]) < max_new_tokens:
+            generator.generate_next_token()
+            for row, token in zip(rows, generator.get_next_tokens(), strict=True):
+                row.append(int(token))
+        return [_cut_after_eos(row, self.tokenizer.eos_token_id) if stop_at_eos else row for row in rows]
+
+
+def _batched_by_length(
+    prompts: list[list[int]], run_batch: Callable[[list[list[int]]], list[list[int]]]
+) -> list[list[int]]:
+    """Run prompts of equal length together as one batch (no padding, so a prompt's continuation does not
+    depend on its batch mates); results come back in the order of `prompts`."""
+    if any(not prompt for prompt in prompts):
+        raise ValueError("cannot generate from an empty prompt")
+    groups: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        groups.setdefault(len(prompt), []).append(index)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for indexes in groups.values():
+        for index, row in zip(indexes, run_batch([prompts[i] for i in indexes]), strict=True):
+            outputs[index] = row
+    return outputs
+
+
+def _cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """A finished sequence in a batch keeps being padded; keep it up to and including its end-of-sequence token."""
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
 def _load_torch_model(folder: Path, manifest: VariantManifest) -> Any:

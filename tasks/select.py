@@ -28,6 +28,15 @@ class VariantScore:
     window_nll: tuple[float, ...]  # per evaluation window, for paired comparisons
     window_tokens: tuple[int, ...]
     cloze_correct: tuple[bool, ...]  # per cloze item, for McNemar's paired test
+    # Speed beyond batch 1 (NaN/empty when not measured: the metrics suite refuses missing values)
+    batch_decode_tok_s: tuple[tuple[int, float], ...] = ()  # (batch size, aggregate decode tok/s)
+    ttft_ms_by_prompt: tuple[tuple[int, float], ...] = ()  # (prompt tokens, median TTFT ms)
+    latency_p95_ms: float = float("nan")  # end-to-end, fixed request set
+    roofline_fraction: float = float("nan")  # decode tok/s ÷ (memory bandwidth ÷ weight bytes)
+
+    def top_batch(self) -> tuple[int, float]:
+        """(largest measured batch size, its aggregate decode tok/s)."""
+        return max(self.batch_decode_tok_s, default=(1, self.decode_tok_s))
 
 
 @dataclass(frozen=True)
@@ -74,7 +83,11 @@ class Leaderboard:
                 "ppl_ratio_ci_low": round(row.ppl_ratio_low, 4),
                 "ppl_ratio_ci_high": round(row.ppl_ratio_high, 4),
                 "decode_tok_s": round(row.score.decode_tok_s, 2),
+                **{f"decode_tok_s_bs{b}": round(v, 2) for b, v in row.score.batch_decode_tok_s},
                 "ttft_ms": round(row.score.ttft_ms, 1),
+                **{f"ttft_ms_prompt{n}": round(v, 1) for n, v in row.score.ttft_ms_by_prompt},
+                "latency_p95_ms": round(row.score.latency_p95_ms, 1),
+                "roofline_fraction": round(row.score.roofline_fraction, 4),
                 "size_mb": round(row.score.size_bytes / 1e6, 1),
                 "peak_rss_mb": round(row.score.peak_rss_mb, 1),
             }
@@ -84,29 +97,36 @@ class Leaderboard:
     def to_csv(self) -> str:
         buffer = io.StringIO()
         writer = csv.writer(buffer)
-        writer.writerow([*TABLE_COLUMNS, "parameters", "within_budget"])
+        writer.writerow([*table_columns(self), "parameters", "within_budget"])
         for cells, row in zip(table_cells(self), self.rows, strict=True):
             writer.writerow([*cells, row.score.parameters, row.within_budget])
         return buffer.getvalue()
 
     def to_markdown(self) -> str:
-        lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+        columns = table_columns(self)
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(self)]
         return "\n".join(lines) + f"\n\nWinner: **{self.winner}** (reference: {self.baseline}).\n"
 
 
-TABLE_COLUMNS = [
-    "variant",
-    "perplexity",
-    "ppl × (CI)",
-    "agree %",
-    "cloze (p)",
-    "decode tok/s",
-    "speedup",
-    "TTFT ms",
-    "size MB",
-    "peak RSS MB",
-]
+def table_columns(board: Leaderboard) -> list[str]:
+    """Column headers; the batched-speed column names the largest measured batch size."""
+    top = board.rows[0].score.top_batch()[0] if board.rows else 1
+    return [
+        "variant",
+        "perplexity",
+        "ppl × (CI)",
+        "agree %",
+        "cloze (p)",
+        "tok/s bs1",
+        f"tok/s bs{top}",
+        "speedup",
+        "TTFT ms",
+        "p95 ms",
+        "roofline",
+        "size MB",
+        "peak RSS MB",
+    ]
 
 
 def table_cells(board: Leaderboard) -> list[list[str]]:
@@ -123,8 +143,11 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 f"{s.token_agreement:.0%}",
                 f"{s.cloze_accuracy:.0%} (p={row.cloze_p_value:.2f})",
                 f"{s.decode_tok_s:.1f}",
+                f"{s.top_batch()[1]:.1f}",
                 f"{row.speedup:.2f}",
                 f"{s.ttft_ms:.0f}",
+                f"{s.latency_p95_ms:.0f}",
+                f"{s.roofline_fraction:.0%}",
                 f"{s.size_bytes / 1e6:.0f}",
                 f"{s.peak_rss_mb:.0f}",
             ]

@@ -13,7 +13,7 @@ from tasks.benchmark import BenchmarkResult
 from tasks.config import Config, TrackingConfig, VariantConfig
 from tasks.evaluate import VariantEvaluation
 from tasks.manifest import VariantManifest
-from tasks.plots import tradeoff_plot
+from tasks.plots import speed_plot, tradeoff_plot
 from tasks.select import Leaderboard
 
 
@@ -41,7 +41,11 @@ def configure_tracking(cfg: TrackingConfig, root: Path) -> str:
 
 @contextlib.contextmanager
 def parent_run(
-    experiment_id: str, config: Config, lineage: dict[str, str], fingerprint: dict[str, Any]
+    experiment_id: str,
+    config: Config,
+    lineage: dict[str, str],
+    fingerprint: dict[str, Any],
+    kind: str = "pipeline",
 ) -> Iterator[str]:
     """The pipeline's parent run: settings, input hashes and fingerprint logged up front, FAILED if the body raises."""
     from mlflow import MlflowClient
@@ -49,7 +53,7 @@ def parent_run(
 
     client = MlflowClient()
     run = client.create_run(
-        experiment_id, run_name=f"pipeline-{config.project.name}", tags={"llmopt.kind": "pipeline"}
+        experiment_id, run_name=f"{kind}-{config.project.name}", tags={"llmopt.kind": kind}
     )
     run_id = run.info.run_id
     try:
@@ -110,6 +114,13 @@ def log_variant_run(
         "exact_match": evaluation.agreement.exact_match,
         "cloze_accuracy": evaluation.cloze.accuracy,
         "decode_tok_s": bench.decode_tok_s,
+        "decode_tok_s_ci_low": bench.decode_tok_s_ci[0],
+        "decode_tok_s_ci_high": bench.decode_tok_s_ci[1],
+        **{f"decode_tok_s_bs{b.batch_size}": b.decode_tok_s for b in bench.batches},
+        **{f"tpot_ms_bs{b.batch_size}": b.tpot_ms for b in bench.batches},
+        **{f"ttft_ms_prompt{n}": ms for n, ms in bench.ttft_ms_by_prompt.items()},
+        **{f"latency_ms_{q}": ms for q, ms in bench.latency_ms.items()},
+        "weight_mb": bench.weight_bytes / 1e6,
         "ttft_ms": bench.ttft_ms,
         "load_s": bench.load_s,
         "peak_rss_mb": bench.peak_rss_mb,
@@ -130,7 +141,7 @@ def log_variant_run(
 
 
 def write_reports(board: Leaderboard, folder: Path) -> list[Path]:
-    """Leaderboard as JSON, CSV and markdown, the DVC metrics file and the trade-off plot; returns the files."""
+    """Leaderboard as JSON, CSV and markdown, the DVC metrics file and the plots; returns the files."""
     folder.mkdir(parents=True, exist_ok=True)
     files = {
         "leaderboard.json": board.to_json(),
@@ -140,11 +151,16 @@ def write_reports(board: Leaderboard, folder: Path) -> list[Path]:
     }
     for name, text in files.items():
         (folder / name).write_text(text)
-    return [folder / name for name in files] + [tradeoff_plot(board, folder / "tradeoff.png")]
+    plots = [tradeoff_plot(board, folder / "tradeoff.png"), speed_plot(board, folder / "speed.png")]
+    return [folder / name for name in files] + plots
 
 
 def log_reports(
-    parent_run_id: str, board: Leaderboard, reports: list[Path], variant_runs: dict[str, str]
+    parent_run_id: str,
+    board: Leaderboard,
+    reports: list[Path],
+    variant_runs: dict[str, str],
+    run_metrics: dict[str, float],
 ) -> None:
     """Report files as parent-run artifacts, the winner as a tag, comparisons with the baseline on each variant run."""
     from mlflow import MlflowClient
@@ -157,6 +173,7 @@ def log_reports(
             "ppl_ratio_ci_low": row.ppl_ratio_low,
             "ppl_ratio_ci_high": row.ppl_ratio_high,
             "speedup": row.speedup,
+            "roofline_fraction": row.score.roofline_fraction,
             "cloze_p_value": row.cloze_p_value,
             "cloze_delta": row.cloze_delta,
             "within_budget": float(row.within_budget),
@@ -170,3 +187,5 @@ def log_reports(
     client.log_metric(parent_run_id, "winner_decode_tok_s", winner.score.decode_tok_s)
     client.log_metric(parent_run_id, "winner_speedup", winner.speedup)
     client.log_metric(parent_run_id, "winner_ppl_ratio", winner.ppl_ratio)
+    for key, value in run_metrics.items():
+        client.log_metric(parent_run_id, key, value)

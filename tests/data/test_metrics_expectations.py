@@ -17,6 +17,8 @@ def row(variant: str, **overrides) -> dict:
         "ttft_ms": 100.0,
         "size_bytes": 1000,
         "peak_rss_mb": 500.0,
+        "latency_p95_ms": 900.0,
+        "roofline_fraction": 0.3,
     }
     return {"variant": variant, **values, **overrides}
 
@@ -34,6 +36,7 @@ def test_a_complete_finite_table_passes():
         ({"ttft_ms": 0.0}, "expect_column_values_to_be_between(column='ttft_ms'"),
         ({"token_agreement": 1.5}, "expect_column_values_to_be_between(column='token_agreement'"),
         ({"cloze_accuracy": -0.1}, "expect_column_values_to_be_between(column='cloze_accuracy'"),
+        ({"roofline_fraction": math.nan}, "expect_column_values_to_not_be_null(column='roofline_fraction')"),
     ],
 )
 def test_impossible_metrics_stop_selection_naming_the_expectation(bad, expectation):

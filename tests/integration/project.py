@@ -49,7 +49,16 @@ def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
             "calibration_passages": 4,
         },
         "evaluate": {"window": 32, "max_tokens": 128},
-        "benchmark": {"prompt_tokens": 16, "new_tokens": 8, "warmup": 1, "repeats": 2},
+        "benchmark": {
+            "prompt_tokens": 16,
+            "new_tokens": 8,
+            "batch_sizes": [1, 2],
+            "ttft_prompt_tokens": [8, 16],
+            "requests": 4,
+            "request_new_tokens": 4,
+            "warmup": 1,
+            "repeats": 2,
+        },
         "target": {"threads": 1},
         "select": {"max_ppl_increase": 0.5},
         "variants": {

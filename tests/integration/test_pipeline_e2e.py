@@ -116,6 +116,32 @@ def test_rerun_registers_each_distinct_winner_once(project):
         assert "version 1 (same bytes as before, reused)" in result.stderr
 
 
+def test_bench_reuses_evaluations_reports_spread_and_refuses_another_machine(project):
+    root, _ = project
+    result = run(root, "llmopt", "bench", "--trials", "2")
+    assert "Repeatability" in result.stdout and "evaluation unchanged" in result.stderr
+    bench = json.loads((root / ".llmopt/bench/bench.json").read_text())
+    assert {name: len(trials) for name, trials in bench["trials"].items()} == dict.fromkeys(
+        ["baseline", "bf16", "int8_dynamic", "onnx_int8"], 2
+    )
+    assert [b["batch_size"] for b in bench["trials"]["baseline"][0]["batches"]] == [1, 2]
+    assert (root / ".llmopt/bench/speed.png").stat().st_size > 10_000
+    client = mlflow_client(root)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("llmopt").experiment_id], "tags.`llmopt.kind` = 'bench'"
+    )
+    assert len(runs) == 1 and runs[0].data.metrics["memory_read_bandwidth_gbs"] > 0
+    assert "spread_baseline_decode_tok_per_s_bs1" in runs[0].data.metrics
+
+    bench["fingerprint"].update(cpu_model="Another CPU", hash="0" * 16)
+    foreign = root / "foreign-bench.json"
+    foreign.write_text(json.dumps(bench))
+    refused = run(root, "llmopt", "bench", "--compare", str(foreign), check=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "refusing to compare" in refused.stderr and "cpu_model: " in refused.stderr
+    assert "Another CPU" in refused.stderr
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

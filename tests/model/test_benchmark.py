@@ -3,7 +3,18 @@
 import numpy as np
 import pytest
 
-from tasks.benchmark import benchmark_in_fresh_process, decode_rate
+from tasks.benchmark import (
+    BatchSpeed,
+    BenchmarkResult,
+    benchmark_in_fresh_process,
+    decode_rate,
+    median_interval,
+    median_trial,
+    percentiles,
+    request_set,
+    roofline_fraction,
+    trial_spread,
+)
 from tasks.config import BenchmarkConfig, VariantConfig
 from tasks.hashing import folder_sha256
 from tasks.load import BaseModel
@@ -22,12 +33,81 @@ def test_decode_rate_excludes_the_first_token():
     assert decode_rate(new_tokens=11, total_s=1.5, ttft_s=0.5) == pytest.approx(10.0)
 
 
+def test_decode_rate_counts_every_sequence_of_a_batch():
+    assert decode_rate(new_tokens=11, total_s=1.5, ttft_s=0.5, batch_size=8) == pytest.approx(80.0)
+
+
+def test_median_interval_uses_order_statistics_with_exact_coverage():
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)  # min–max of 3 covers the median 75 %
+    low, high, coverage = median_interval([float(v) for v in range(1, 12)], confidence=0.9)
+    assert (low, high) == (3.0, 9.0) and coverage == pytest.approx(1 - 2 * 67 / 2048)
+
+
+def test_request_set_is_fixed_and_spans_the_prompt_lengths():
+    ids = list(range(50))
+    requests = request_set(ids, 40, 8, 64)
+    assert requests == request_set(ids, 40, 8, 64)
+    assert all(8 <= len(r) <= 64 for r in requests) and len({len(r) for r in requests}) > 10
+
+
+def test_roofline_fraction_is_speed_times_bytes_over_bandwidth():
+    assert roofline_fraction(decode_tok_s=100, weight_bytes=135_000_000, bandwidth_gbs=27) == pytest.approx(
+        0.5
+    )
+    assert percentiles([float(v) for v in range(101)]) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+
+
 def test_fresh_process_reports_its_own_peak_memory_not_the_parents(variant_dir):
     ballast = np.ones(800 * 2**20 // 8)  # 800 MB resident in this (parent) process
-    cfg = BenchmarkConfig(prompt_tokens=8, new_tokens=4, warmup=0, repeats=2)
+    cfg = BenchmarkConfig(
+        prompt_tokens=8,
+        new_tokens=4,
+        batch_sizes=[1, 3],
+        ttft_prompt_tokens=[4, 16],
+        requests=5,
+        request_new_tokens=3,
+        warmup=0,
+        repeats=2,
+    )
     result = benchmark_in_fresh_process(variant_dir, cfg, "The river walks the stone.", threads=1)
     del ballast  # kept alive until the child has finished
     assert 50 < result.peak_rss_mb < 700
     assert result.prompt_tokens == 8 and result.new_tokens == 4
     assert len(result.decode_tok_s_runs) == len(result.ttft_ms_runs) == 2
-    assert result.decode_tok_s > 0 and result.ttft_ms > 0
+    assert [b.batch_size for b in result.batches] == [1, 3]
+    assert result.batches[0].decode_tok_s == result.decode_tok_s
+    assert sorted(result.ttft_ms_by_prompt) == [4, 16] and len(result.latency_ms_runs) == 5
+    assert result.latency_ms["p50"] <= result.latency_ms["p95"] <= result.latency_ms["p99"]
+    assert result.weight_bytes == (variant_dir / "model.safetensors").stat().st_size
+
+
+def fake_result(decode: float, ttft: float = 10.0) -> BenchmarkResult:
+    batch = BatchSpeed(1, ttft, decode, 1000 / decode, [decode], [ttft])
+    return BenchmarkResult(
+        load_s=1.0,
+        ttft_ms=ttft,
+        ttft_ms_runs=[ttft],
+        decode_tok_s=decode,
+        decode_tok_s_runs=[decode],
+        decode_tok_s_ci=(decode, decode),
+        decode_ci_coverage=0.0,
+        batches=[batch],
+        ttft_ms_by_prompt={8: ttft},
+        latency_ms={"p50": 5.0, "p95": 6.0, "p99": 7.0},
+        latency_ms_runs=[5.0],
+        prompt_tokens=8,
+        new_tokens=4,
+        weight_bytes=100,
+        peak_rss_mb=10.0,
+        process_rss_before_load_mb=5.0,
+        threads=1,
+    )
+
+
+def test_trial_spread_is_range_over_median_and_the_median_trial_is_kept():
+    trials = [fake_result(90.0), fake_result(110.0), fake_result(100.0, ttft=12.0)]
+    spread = {row.metric: row for row in trial_spread({"v": trials})}
+    assert spread["decode tok/s bs1"].values == [90.0, 110.0, 100.0]
+    assert spread["decode tok/s bs1"].spread == pytest.approx(0.2)
+    assert spread["TTFT ms"].median == 10.0
+    assert median_trial(trials).ttft_ms == 12.0

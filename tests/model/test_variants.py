@@ -78,6 +78,16 @@ def test_onnx_fp32_generates_exactly_what_torch_fp32_generates(variants):
     )
 
 
+@pytest.mark.parametrize("name", ["baseline", "int8_dynamic", "onnx_int8"])
+def test_batched_generation_gives_each_prompt_its_own_continuation_in_order(variants, name):
+    runtime = load_runtime(variants[name], threads=1)
+    first, second = runtime.encode("The river walks the stone near the garden"), runtime.encode(PROMPT)
+    prompts = [first, second, first, second[:-1], second]
+    one_by_one = [runtime.generate([p], 6, stop_at_eos=False)[0] for p in prompts]
+    assert runtime.generate(prompts, 6, stop_at_eos=False) == one_by_one
+    assert one_by_one[0] != one_by_one[1]  # the prompts lead somewhere different, so order is checked
+
+
 def test_agreement_is_total_for_the_same_graph_and_reported_for_every_variant(variants):
     texts = [
         f"{PROMPT} {i} and then the river finds the quiet garden." for i in range(3)

@@ -108,3 +108,8 @@ def test_recipe_hash_ignores_the_variant_name_but_not_the_recipe():
     )
     hashes = {name: variant.recipe_hash() for name, variant in config.variants.items()}
     assert hashes["baseline"] == hashes["copy"] != hashes["half"]
+
+
+def test_benchmark_without_batch_one_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"benchmark: batch_sizes must include 1"):
+        load_config(write(tmp_path, MINIMAL + "benchmark:\n  batch_sizes: [4, 8]\n"))

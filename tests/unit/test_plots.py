@@ -1,5 +1,7 @@
+from dataclasses import replace
+
 from tasks.config import SelectConfig
-from tasks.plots import tradeoff_plot
+from tasks.plots import speed_plot, tradeoff_plot
 from tasks.select import build_leaderboard
 from tests.unit.test_select import score
 
@@ -11,3 +13,15 @@ def test_tradeoff_plot_writes_a_png_with_every_variant(tmp_path):
     path = tradeoff_plot(board, tmp_path / "tradeoff.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
+
+
+def test_speed_plot_draws_batches_and_prompt_lengths(tmp_path):
+    fast = replace(
+        score("fast", 1.02, 40),
+        batch_decode_tok_s=((1, 40.0), (4, 120.0), (8, 200.0)),
+        ttft_ms_by_prompt=((32, 20.0), (128, 60.0)),
+    )
+    board = build_leaderboard([replace(fast, variant="baseline"), fast], SelectConfig())
+    path = speed_plot(board, tmp_path / "speed.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 20_000
