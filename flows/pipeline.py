@@ -60,9 +60,13 @@ def data_task(config: Config, root: Path) -> PreparedData:
 
 @task(name="optimize", task_run_name="optimize-{name}", cache_policy=NO_CACHE)
 def optimize_task(
-    name: str, variant: VariantConfig, base: BaseModel, data_hash: str, out_dir: Path
+    name: str, variant: VariantConfig, base: BaseModel, data: PreparedData, out_dir: Path
 ) -> VariantManifest:
-    return build_variant(name, variant, base, data_hash, out_dir)
+    calibration = read_split(data.folder, "calibration")
+    with progress_bar(f"optimize {name}") as update:
+        return build_variant(
+            name, variant, base, data.content_hash, out_dir, calibration, lambda _, i, n: update(i, n)
+        )
 
 
 @task(name="evaluate", task_run_name="evaluate-{folder.name}", cache_policy=NO_CACHE)
@@ -125,7 +129,7 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
         evaluations = workdir(config, root) / "evaluations"
         for name, variant in baseline_first(config):
             folder = workdir(config, root) / "variants" / name
-            manifest = optimize_task(name, variant, base, data.content_hash, folder)
+            manifest = optimize_task(name, variant, base, data, folder)
             evaluation = evaluate_task(folder, manifest, texts, config, reference, evaluations)
             reference = reference or evaluation.continuations
             bench = benchmark_task(folder, config, texts[0])

@@ -264,9 +264,9 @@ def benchmark_in_fresh_process(
 
 
 def _benchmark_as_dict(folder: str, cfg: dict, prompt_text: str, threads: int) -> dict:
-    import warnings
+    from tasks.quiet import quiet_libraries
 
-    warnings.simplefilter("ignore")  # a spawned interpreter does not inherit the CLI's warning filters
+    quiet_libraries()  # a spawned interpreter does not inherit the CLI's warning filters and log levels
     return asdict(benchmark_variant(Path(folder), BenchmarkConfig(**cfg), prompt_text, threads))
 
 

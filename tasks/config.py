@@ -85,8 +85,9 @@ class BenchmarkConfig(Strict):
 
 
 class TargetConfig(Strict):
-    device: Literal["cpu"] = "cpu"
+    device: Literal["cpu", "cuda", "hpu"] = "cpu"
     threads: Annotated[int, Field(ge=1, le=1024)] = 2
+    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1  # DeepSpeed tensor-parallel degree (GPU targets)
 
 
 class SelectConfig(Strict):
@@ -97,8 +98,45 @@ class SelectConfig(Strict):
     seed: int = 0
 
 
+QuantizeMethod = Literal[
+    "torch_dynamic_int8",
+    "torchao_int8_weight_only",
+    "torchao_int8_dynamic",
+    "torchao_int4_weight_only",
+    "quanto_w8a16",
+    "quanto_w4a16",
+    "quanto_w8a8",
+    "bnb_nf4",
+    "bnb_fp4",
+    "bnb_int8",
+    "gptq",
+]
+
+
 class QuantizeStep(Strict):
-    method: Literal["torch_dynamic_int8"]
+    """Weight quantization; see tasks/quantize.py for what each method stores and runs."""
+
+    method: QuantizeMethod
+    # Method-specific settings; unset (None) means the default in brackets and keeps the recipe (and hash) short.
+    group_size: Literal[32, 64, 128, 192] | None = None  # [64] torchao_int4_weight_only, gptq (576 = 9 × 64)
+    double_quant: bool | None = None  # [true] bnb_nf4 / bnb_fp4: also quantize the scales
+    compute_dtype: Literal["float32", "bfloat16"] | None = None  # [float32] bnb_nf4 / bnb_fp4 matmuls
+    bits: Literal[2, 3, 4, 8] | None = None  # [4] gptq
+    desc_act: bool | None = None  # [false] gptq: quantize columns by decreasing activation order
+
+    @model_validator(mode="after")
+    def _fields_of_the_method(self) -> QuantizeStep:
+        owners = {
+            "group_size": ("torchao_int4_weight_only", "gptq"),
+            "double_quant": ("bnb_nf4", "bnb_fp4"),
+            "compute_dtype": ("bnb_nf4", "bnb_fp4"),
+            "bits": ("gptq",),
+            "desc_act": ("gptq",),
+        }
+        for name in sorted(name for name in owners if getattr(self, name) is not None):
+            if self.method not in owners[name]:
+                raise ValueError(f"{name} applies to {' / '.join(owners[name])}, not {self.method}")
+        return self
 
 
 class OnnxGenAIStep(Strict):
@@ -111,9 +149,63 @@ class OnnxGenAIStep(Strict):
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
 
 
+class PruneStep(Strict):
+    """Magnitude pruning: `unstructured` zeros weights (same size and speed without sparse kernels); `structured`
+    removes MLP neurons / grouped-query attention groups, the same number in every layer (smaller matrices)."""
+
+    method: Literal["unstructured", "structured"]
+    # Unset (None) means the default in brackets and keeps the recipe short.
+    sparsity: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None  # [0.5] unstructured: share zeroed
+    scope: Literal["global", "layer"] | None = None  # [global] unstructured: one threshold, or one per layer
+    mlp_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None  # [0.25] structured: neurons removed
+    head_groups: Annotated[int, Field(ge=0)] | None = (
+        None  # [0] structured: KV groups (KV head + its queries)
+    )
+    importance: Literal["magnitude", "activation"] | None = (
+        None  # [activation] structured: on calibration text
+    )
+    heal_steps: Annotated[int, Field(ge=0, le=100_000)] | None = (
+        None  # [0] fine-tune on the calibration split
+    )
+    heal_lr: Annotated[float, Field(gt=0.0, le=1.0)] | None = None  # [5e-5]
+
+    @model_validator(mode="after")
+    def _fields_of_the_method(self) -> PruneStep:
+        own = {
+            "unstructured": ("sparsity", "scope"),
+            "structured": ("mlp_fraction", "head_groups", "importance"),
+        }
+        other = "structured" if self.method == "unstructured" else "unstructured"
+        foreign = [name for name in own[other] if getattr(self, name) is not None]
+        if foreign:
+            raise ValueError(f"{foreign[0]} does not apply to method {self.method}")
+        if self.method == "structured" and not (self.mlp_fraction or self.head_groups):
+            raise ValueError("structured pruning needs mlp_fraction > 0 or head_groups > 0")
+        return self
+
+
+class DistillStep(Strict):
+    """Knowledge distillation into a shallower student (every k-th layer kept), KL on teacher logits + CE."""
+
+    keep_every: Annotated[int, Field(ge=2, le=64)] = 2  # keep layers 0, k, 2k, … and the last
+    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 200
+    max_seconds: Annotated[float, Field(gt=0)] = 600.0  # wall-clock bound; a later run resumes the checkpoint
+    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
+    temperature: Annotated[float, Field(gt=0.0, le=100.0)] = 2.0
+    alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5  # weight of the KL term (1 - alpha on cross-entropy)
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 4
+    sequence_tokens: Annotated[int, Field(ge=8, le=8192)] = (
+        256  # calibration text cut into sequences this long
+    )
+    checkpoint_every: Annotated[int, Field(ge=1)] = 25
+    seed: int = 0
+
+
 class Step(Strict):
     """One recipe step, written as a one-key mapping such as `{quantize: {method: torch_dynamic_int8}}`."""
 
+    prune: PruneStep | None = None
+    distill: DistillStep | None = None
     quantize: QuantizeStep | None = None
     onnx_genai: OnnxGenAIStep | None = None
 
@@ -130,7 +222,28 @@ class Step(Strict):
 
 
 class RuntimeSettings(Strict):
+    """How the variant runs (not its weights); unset (None) means the engine's default, and keeps recipe hashes."""
+
     dtype: Dtype = "float32"
+    attention: Literal["sdpa", "eager", "flash_attention_2"] | None = None  # torch engine; default sdpa
+    kv_cache: Literal["dynamic", "static", "quantized"] | None = None  # default dynamic (grows with the text)
+    kv_cache_bits: Literal[2, 4] | None = None  # quantized KV cache (quanto backend); default 4
+    sliding_window: Annotated[int, Field(ge=8)] | None = None  # attend to (and cache) only the last N tokens
+    threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default target.threads
+    engine: Literal["torch", "deepspeed", "tensorrt_llm"] | None = None  # default torch (eager transformers)
+
+    @model_validator(mode="after")
+    def _settings_agree(self) -> RuntimeSettings:
+        if self.kv_cache_bits is not None and self.kv_cache != "quantized":
+            raise ValueError("kv_cache_bits applies only with kv_cache: quantized")
+        if self.sliding_window is not None and self.kv_cache == "static":
+            raise ValueError("sliding_window bounds the cache itself; leave kv_cache at dynamic or quantized")
+        return self
+
+    def torch_only(self) -> list[str]:
+        """Settings that the torch engines honour and ONNX Runtime GenAI does not."""
+        names = ("attention", "kv_cache", "kv_cache_bits", "sliding_window", "engine")
+        return [name for name in names if getattr(self, name) is not None]
 
 
 class VariantConfig(Strict):
@@ -140,8 +253,12 @@ class VariantConfig(Strict):
     @model_validator(mode="after")
     def _steps_compose(self) -> VariantConfig:
         kinds = [step.kind for step in self.steps]
+        if kinds.count("quantize") > 1:
+            raise ValueError("one quantize step per variant (weights cannot be quantized twice)")
+        if "quantize" in kinds and any(k in ("prune", "distill") for k in kinds[kinds.index("quantize") :]):
+            raise ValueError("prune and distill work on float weights; put them before quantize")
         if "quantize" in kinds and self.runtime.dtype != "float32":
-            raise ValueError("torch_dynamic_int8 computes in float32; set runtime.dtype: float32")
+            raise ValueError("quantize steps set their own compute precision; leave runtime.dtype at float32")
         if "onnx_genai" in kinds:
             if kinds.index("onnx_genai") != len(kinds) - 1:
                 raise ValueError("onnx_genai changes the engine and must be the last step")
@@ -151,6 +268,11 @@ class VariantConfig(Strict):
                 )
             if self.runtime.dtype != "float32":
                 raise ValueError("onnx_genai sets its own precision; leave runtime.dtype at float32")
+            if self.runtime.torch_only():
+                raise ValueError(
+                    f"runtime.{self.runtime.torch_only()[0]} applies to the torch engine; onnx_genai variants "
+                    "run in ONNX Runtime GenAI (only runtime.threads applies there)"
+                )
         return self
 
     def recipe(self) -> dict[str, Any]:
@@ -239,7 +361,9 @@ def describe_validation_error(source: str, exc: ValidationError) -> str:
 
 def _is_pydantic_branch(part: Any) -> bool:
     """Union/literal branch labels pydantic inserts into error locations (e.g. 'function-after[...]')."""
-    return isinstance(part, str) and ("[" in part or part in ("QuantizeStep", "Step"))
+    return isinstance(part, str) and (
+        "[" in part or part in ("QuantizeStep", "Step", "PruneStep", "DistillStep")
+    )
 
 
 def _format_loc(loc: list[Any]) -> str:

@@ -29,6 +29,7 @@ class VariantManifest:
     content_hash: str
     notes: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
+    training: dict[str, list[float]] = field(default_factory=dict)  # per-step losses (distill, heal)
 
     def write(self, folder: Path) -> None:
         (folder / MANIFEST_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")

@@ -2,48 +2,128 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tasks.config import OnnxGenAIStep, Step, VariantConfig
-from tasks.errors import ModelSourceError
+from tasks.errors import ConfigError, ModelSourceError
 from tasks.hashing import folder_sha256, folder_size
 from tasks.load import BaseModel
 from tasks.manifest import MANIFEST_FILE, VariantManifest, read_manifest
-from tasks.runtime import QUANTIZED_STATE_FILE
 
 
-def quantize_dynamic_int8(model: Any) -> Any:
-    """int8 per-output-channel weights, activations quantized per batch at run time, for every nn.Linear.
+@dataclass
+class BuildContext:
+    """What steps may need besides the model: calibration text, a checkpoint folder, progress, a training log."""
 
-    Per-channel weight scales: on SmolLM2 they cut the perplexity damage of per-tensor scales by ~15 %.
-    """
-    import torch
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    calibration_texts: list[str]
+    checkpoints: Path
+    progress: Callable[[str, int, int], None] | None = None
+    tokenizer: Any = None  # the base model's, set when the recipe starts
+    history: dict[str, list[float]] = field(default_factory=dict)  # per-step training losses, for MLflow
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+    def sequences(self, tokenizer: Any, length: int, limit: int | None = None) -> list[list[int]]:
+        """The calibration split as token sequences of `length` (the tail shorter than 8 tokens dropped)."""
+        if not self.calibration_texts:
+            raise ModelSourceError("this step needs the calibration split, which is empty")
+        ids = tokenizer("\n\n".join(self.calibration_texts), add_special_tokens=False)["input_ids"]
+        chunks = [ids[i : i + length] for i in range(0, len(ids), length) if len(ids[i : i + length]) >= 8]
+        return chunks[:limit]
+
+    def report(self, label: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(label, done, total)
 
 
-def _quantize_step(model: Any, step: Step) -> tuple[Any, str, str]:
-    return (
-        quantize_dynamic_int8(model),
-        "torch-dynamic-int8",
-        "int8 per-channel weights, int8 activations quantized per batch (W8A8 dynamic)",
+class StepArgumentError(ValueError):
+    """A step's settings do not fit this model (e.g. more head groups removed than it has)."""
+
+
+@contextlib.contextmanager
+def _step_arguments(kind: str) -> Iterator[None]:
+    """The step modules raise ValueError naming the argument; that is the user's setting, not a bug."""
+    try:
+        yield
+    except ValueError as exc:
+        raise StepArgumentError(f"{kind}.{exc}") from exc
+
+
+def _quantize_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
+    from tasks.quantize import NOTES, quantize_model
+
+    calibration = (
+        context.sequences(context.tokenizer, 256, limit=16) if step.quantize.method == "quanto_w8a8" else []
     )
+    with _step_arguments("quantize"):
+        model, weights_format = quantize_model(model, step.quantize, calibration)
+    return model, weights_format, NOTES[step.quantize.method]
 
 
-STEP_APPLIERS: dict[str, Callable[[Any, Step], tuple[Any, str, str]]] = {"quantize": _quantize_step}
+def _prune_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
+    from tasks import prune
+
+    cfg, tokenizer = step.prune, context.tokenizer
+    with _step_arguments("prune"):
+        if cfg.method == "unstructured":
+            report = prune.prune_unstructured(model, cfg.sparsity or 0.5, cfg.scope or "global")
+        else:
+            importance = cfg.importance or "activation"
+            calibration = context.sequences(tokenizer, 256, limit=16) if importance == "activation" else None
+            groups = cfg.head_groups or 0
+            report = prune.prune_structured(model, cfg.mlp_fraction or 0.0, groups, importance, calibration)
+    note = f"{report.method}: {report.parameters_before:,} → {report.parameters_after:,} parameters, "
+    note += f"{report.sparsity:.1%} zeros in decoder matrices. {report.note}"
+    if cfg.heal_steps:
+        steps, batches = cfg.heal_steps, context.sequences(tokenizer, 256)
+        losses = prune.heal(
+            model, batches, steps, cfg.heal_lr or 5e-5, lambda i, _: context.report("heal", i, steps)
+        )
+        context.history["heal_loss"] = losses
+        note += f" Healed {steps} steps: loss {losses[0]:.3f} → {losses[-1]:.3f}."
+    return model, "hf-safetensors", note
+
+
+def _distill_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
+    from tasks.distill import DistillSettings, build_student, distill
+
+    cfg = step.distill
+    with _step_arguments("distill"):
+        student = build_student(model, cfg.keep_every)
+    settings = DistillSettings(
+        **cfg.model_dump(exclude={"keep_every", "sequence_tokens"}),
+    )
+    result = distill(
+        model,
+        student,
+        context.sequences(context.tokenizer, cfg.sequence_tokens),
+        settings,
+        context.checkpoints,
+        lambda i, _: context.report("distill", i, cfg.steps),
+    )
+    for key in ("loss", "kl", "ce"):
+        context.history[f"distill_{key}"] = [entry[key] for entry in result.history]
+    first, last = result.history[0]["loss"], result.history[-1]["loss"]
+    note = (
+        f"distilled into {student.config.num_hidden_layers} of {model.config.num_hidden_layers} layers: "
+        f"{result.step} steps (stopped by {result.stopped_by}), loss {first:.3f} → {last:.3f}"
+    )
+    return student, "hf-safetensors", note
+
+
+STEP_APPLIERS: dict[str, Callable[[Any, Step, BuildContext], tuple[Any, str, str]]] = {
+    "prune": _prune_step,
+    "distill": _distill_step,
+    "quantize": _quantize_step,
+}
 
 
 def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) -> str:
@@ -55,9 +135,19 @@ def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) ->
 
 
 def build_variant(
-    name: str, variant: VariantConfig, base: BaseModel, data_hash: str, out_dir: Path
+    name: str,
+    variant: VariantConfig,
+    base: BaseModel,
+    data_hash: str,
+    out_dir: Path,
+    calibration: list[str] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> VariantManifest:
-    """Build the variant into `out_dir`, or return the existing manifest when an intact artifact has the same key."""
+    """Build the variant into `out_dir`, or return the existing manifest when an intact artifact has the same key.
+
+    `calibration` is the calibration split's text (pruning importance, healing, distillation); long training
+    steps checkpoint beside `out_dir` and resume there after an interruption.
+    """
     build_key = variant_build_key(variant, base.content_hash, data_hash)
     existing = _reusable_manifest(out_dir, build_key)
     if existing is not None:
@@ -65,7 +155,15 @@ def build_variant(
     staging = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging)
+    checkpoints = out_dir.with_name(out_dir.name + ".checkpoint") / build_key[:16]
+    context = BuildContext(list(calibration or []), checkpoints, progress)
+    try:
+        weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging, context)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-built stays behind (checkpoints do)
+        if isinstance(exc, StepArgumentError):
+            raise ConfigError(f"params.yaml: variants.{name}.steps: {exc}") from exc
+        raise
     manifest = VariantManifest(
         name=name,
         recipe=variant.recipe(),
@@ -81,10 +179,12 @@ def build_variant(
         content_hash=folder_sha256(staging),
         notes=notes,
         versions=_library_versions(),
+        training=context.history,
     )
     manifest.write(staging)
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
+    shutil.rmtree(checkpoints.parent, ignore_errors=True)
     return manifest
 
 
@@ -99,17 +199,22 @@ def _reusable_manifest(out_dir: Path, build_key: str) -> VariantManifest | None:
     return manifest if manifest.build_key == build_key and intact else None
 
 
-def _apply_recipe(variant: VariantConfig, base_path: Path, dest: Path) -> tuple[str, str, int, list[str]]:
-    """Run the steps; returns (weights format, engine, parameter count, notes)."""
+def _apply_recipe(
+    variant: VariantConfig, base_path: Path, dest: Path, context: BuildContext
+) -> tuple[str, str, int, list[str]]:
+    """Run the steps; returns (weights format, engine, parameter count after the steps, notes)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False)
-    parameters = sum(p.numel() for p in model.parameters())
+    context.tokenizer = AutoTokenizer.from_pretrained(base_path)
     weights_format, notes = "hf-safetensors", []
     torch_steps = [step for step in variant.steps if step.kind != "onnx_genai"]
+    parameters = sum(p.numel() for p in model.parameters())
     for step in torch_steps:
-        model, weights_format, note = STEP_APPLIERS[step.kind](model, step)
+        model, weights_format, note = STEP_APPLIERS[step.kind](model, step, context)
+        if step.kind != "quantize":  # quantized modules hide their weights from .parameters()
+            parameters = sum(p.numel() for p in model.parameters())
         notes.append(note)
     export = next((step.onnx_genai for step in variant.steps if step.onnx_genai is not None), None)
     if export is not None:
@@ -120,10 +225,10 @@ def _apply_recipe(variant: VariantConfig, base_path: Path, dest: Path) -> tuple[
         note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
         return "onnx-genai", "onnxruntime-genai", parameters, [*notes, note]
     AutoTokenizer.from_pretrained(base_path).save_pretrained(dest)
-    if weights_format == "torch-dynamic-int8":
-        model.config.save_pretrained(dest)
-        model.generation_config.save_pretrained(dest)
-        torch.save(model.state_dict(), dest / QUANTIZED_STATE_FILE)
+    if weights_format != "hf-safetensors":
+        from tasks.quantize import save_quantized
+
+        save_quantized(model, weights_format, dest)
     else:
         model.to(getattr(torch, variant.runtime.dtype)).save_pretrained(dest)
     return weights_format, "torch", parameters, notes

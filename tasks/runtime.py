@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from tasks.errors import ModelSourceError
+from tasks.config import RuntimeSettings
+from tasks.errors import ModelSourceError, TargetError
 from tasks.manifest import VariantManifest, read_manifest
-
-QUANTIZED_STATE_FILE = "model-dynamic-int8.pt"
 
 
 class Runtime(Protocol):
@@ -38,12 +36,39 @@ class Runtime(Protocol):
 
 
 def load_runtime(folder: Path, threads: int) -> Runtime:
-    """Open the variant in `folder` with the engine its manifest names."""
+    """Open the variant in `folder` with the engine its manifest names (`threads` unless the recipe sets them)."""
     manifest = read_manifest(folder)
     engines = {"torch": TorchRuntime, "onnxruntime-genai": OrtGenAIRuntime}
     if manifest.engine not in engines:
         raise ModelSourceError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(engines)}")
-    return engines[manifest.engine](folder, manifest, threads)
+    return engines[manifest.engine](folder, manifest, runtime_settings(manifest).threads or threads)
+
+
+def runtime_settings(manifest: VariantManifest) -> RuntimeSettings:
+    """The recipe's runtime settings, as validated when the variant was built."""
+    return RuntimeSettings.model_validate(manifest.recipe.get("runtime", {}))
+
+
+KV_RESIDUAL_TOKENS = (
+    16  # a quantized KV cache keeps only the newest tokens in full precision (KIVI's residual)
+)
+
+
+def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:
+    """`generate` keyword arguments for the KV-cache setting (a sliding window is part of the model instead)."""
+    if settings.kv_cache == "static":
+        return {"cache_implementation": "static"}
+    if settings.kv_cache == "quantized":
+        cache = {
+            "backend": "quanto",
+            "nbits": settings.kv_cache_bits or 4,
+            "residual_length": KV_RESIDUAL_TOKENS,
+        }
+        return {
+            "cache_implementation": "quantized",
+            "cache_config": {**cache, "q_group_size": min(64, head_dim)},
+        }
+    return {}
 
 
 class _HFTokenizer:
@@ -67,18 +92,26 @@ class TorchRuntime(_HFTokenizer):
 
         torch.set_num_threads(threads)
         self.manifest = manifest
+        settings = runtime_settings(manifest)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         try:
-            self.model = _load_torch_model(folder, manifest)
+            self.model = _load_torch_model(folder, manifest, settings)
         except (OSError, RuntimeError, ValueError) as exc:
             raise ModelSourceError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
         self.model.eval()
+        if settings.engine == "deepspeed":
+            self.model = deepspeed_engine(self.model, manifest.dtype, tensor_parallel=1)
+        elif settings.engine == "tensorrt_llm":
+            raise TargetError("engine tensorrt_llm needs an NVIDIA GPU target; on cpu use onnx_genai")
+        self._options = generation_options(settings, self.model.config.head_dim)
+        # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
+        self._no_grad = torch.no_grad if manifest.weights_format == "quanto" else torch.inference_mode
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         import torch
 
         results = []
-        with torch.inference_mode():
+        with self._no_grad():
             for ids in sequences:
                 tensor = torch.tensor([ids])
                 logits = self.model(input_ids=tensor).logits[0, :-1].float()
@@ -99,13 +132,14 @@ class TorchRuntime(_HFTokenizer):
         import torch
 
         extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
-        with torch.inference_mode():
+        with self._no_grad():
             generated = self.model.generate(
                 input_ids=torch.tensor(batch),
                 attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                **self._options,
                 **extra,
             )
         rows = generated[:, len(batch[0]) :].tolist()
@@ -195,26 +229,77 @@ def _cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
-def _load_torch_model(folder: Path, manifest: VariantManifest) -> Any:
+def _load_torch_model(folder: Path, manifest: VariantManifest, settings: RuntimeSettings) -> Any:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, manifest.dtype)
     if manifest.weights_format == "hf-safetensors":
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False)
-    if manifest.weights_format == "torch-dynamic-int8":
-        from tasks.optimize import quantize_dynamic_int8
+        options = {"dtype": dtype, "attn_implementation": settings.attention or "sdpa"}
+        if settings.sliding_window is not None:
+            return _load_with_sliding_window(folder, settings.sliding_window, options)
+        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
+    if manifest.weights_format in ("torch-dynamic-int8", "hf-quantized", "quanto"):
+        from tasks.quantize import load_quantized
 
-        # A real (not meta) skeleton: non-persistent buffers such as rotary frequencies are not in the state dict.
-        with no_init_weights():
-            skeleton = AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(folder), dtype=torch.float32
-            )
-        model = quantize_dynamic_int8(skeleton)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch's TypedStorage notice for quantized tensors
-            state = torch.load(folder / QUANTIZED_STATE_FILE, weights_only=True)
-        model.load_state_dict(state, strict=True)
-        return model
+        return load_quantized(folder, manifest.weights_format)
     raise ModelSourceError(f"{folder}: weights format {manifest.weights_format!r} unknown")
+
+
+def _load_with_sliding_window(folder: Path, window: int, options: dict[str, Any]) -> Any:
+    """A Llama with sliding-window attention is a Mistral: same weights and names, attention (and its KV cache)
+    limited to the last `window` tokens."""
+    from transformers import AutoConfig, MistralConfig, MistralForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type not in ("llama", "mistral"):
+        raise TargetError(
+            f"runtime.sliding_window: supported for Llama/Mistral models, not {config.model_type!r}"
+        )
+    fields = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in ("model_type", "architectures", "sliding_window")
+    }
+    return MistralForCausalLM.from_pretrained(
+        folder, config=MistralConfig(**fields, sliding_window=window), **options
+    )
+
+
+def kv_cache_bytes(cache: Any) -> int:
+    """Bytes held by a transformers KV cache, packed quantized tensors counted by their parts."""
+    return sum(_tensor_bytes(value) for layer in cache.layers for value in vars(layer).values())
+
+
+def _tensor_bytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "__tensor_flatten__"):  # quanto's packed tensors: data, scale, shift
+            names, _ = value.__tensor_flatten__()
+            return sum(_tensor_bytes(getattr(value, name)) for name in names)
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def deepspeed_engine(model: Any, dtype: str, tensor_parallel: int) -> Any:
+    """DeepSpeed's inference engine around the model (AutoTP without kernel injection: CPU has no kernels);
+    generate goes through the wrapped module, as DeepSpeed's own examples do."""
+    import os
+
+    import torch
+
+    if tensor_parallel > 1 and not torch.cuda.is_available():
+        raise TargetError("DeepSpeed tensor parallelism over several ranks needs GPU targets; use 1 on cpu")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import deepspeed
+
+    engine = deepspeed.init_inference(
+        model,
+        dtype=getattr(torch, dtype),
+        replace_with_kernel_inject=False,
+        tensor_parallel={"tp_size": tensor_parallel},
+    )
+    return engine.module

@@ -127,11 +127,18 @@ def log_variant_run(
         "size_mb": manifest.size_bytes / 1e6,
         "parameters": manifest.parameters,
     }
+    curves = [
+        Metric(key, float(value), 0, step)
+        for key, values in manifest.training.items()
+        for step, value in enumerate(values, start=1)
+    ]  # training losses (distillation, healing) as per-step series: the MLflow UI draws them as curves
     client.log_batch(
         run.info.run_id,
         metrics=[Metric(k, float(v), 0, 0) for k, v in metrics.items()],
         params=[Param(k, str(v)[:6000]) for k, v in params.items()],
     )
+    for start in range(0, len(curves), 1000):  # MLflow takes at most 1000 metrics per batch
+        client.log_batch(run.info.run_id, metrics=curves[start : start + 1000])
     client.log_dict(run.info.run_id, asdict(manifest), "manifest.json")
     client.log_dict(run.info.run_id, asdict(bench), "benchmark.json")
     client.log_dict(run.info.run_id, asdict(evaluation.perplexity), "evaluation.json")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 
-from tasks.config import EvaluateConfig, VariantConfig
+from tasks.config import EvaluateConfig, QuantizeMethod, VariantConfig
 from tasks.errors import DataValidationError
 from tasks.evaluate import evaluate_perplexity, evaluate_variant
 from tasks.hashing import folder_sha256
@@ -16,6 +17,7 @@ from tasks.load import BaseModel
 from tasks.manifest import read_manifest
 from tasks.optimize import build_variant
 from tasks.runtime import load_runtime
+from tests.factories import synthetic_sentences
 
 RECIPES = {
     "baseline": {},
@@ -26,6 +28,11 @@ RECIPES = {
     "onnx_int4": {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32}}]},
     "onnx_int4_asym": {
         "steps": [{"onnx_genai": {"precision": "int4", "symmetric": False, "block_size": 16}}]
+    },
+    **{
+        method: {"steps": [{"quantize": {"method": method}}]}
+        for method in typing.get_args(QuantizeMethod)
+        if method not in ("torch_dynamic_int8", "gptq")  # the first is above; gptq runs on GPU targets only
     },
 }
 # Mean per-token NLL difference from torch fp32 allowed per recipe (tiny random model, ~20 tokens): the same
@@ -38,8 +45,18 @@ TOLERANCE = {
     "onnx_int8": 0.1,
     "onnx_int4": 0.3,
     "onnx_int4_asym": 0.3,
+    "torchao_int8_weight_only": 0.1,
+    "torchao_int8_dynamic": 0.1,
+    "torchao_int4_weight_only": 0.3,
+    "quanto_w8a16": 0.1,
+    "quanto_w4a16": 0.3,
+    "quanto_w8a8": 0.1,
+    "bnb_nf4": 0.3,
+    "bnb_fp4": 0.3,
+    "bnb_int8": 0.1,
 }
 PROMPT = "The river walks the stone near the garden 12. The train finds the book"
+CALIBRATION = [" ".join(synthetic_sentences(20, seed=seed)) for seed in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +68,7 @@ def base(tiny_model_dir: Path) -> BaseModel:
 def variants(base: BaseModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("variants")
     for name, recipe in RECIPES.items():
-        build_variant(name, VariantConfig.model_validate(recipe), base, "data-hash", root / name)
+        build_variant(name, VariantConfig.model_validate(recipe), base, "data-hash", root / name, CALIBRATION)
     return {name: root / name for name in RECIPES}
 
 
@@ -113,9 +130,17 @@ def test_evaluation_text_without_cloze_items_is_refused(variants):
         )
 
 
-def test_onnx_int4_is_smaller_than_int8_and_fp32(variants):
-    sizes = {n: read_manifest(variants[n]).size_bytes for n in ("onnx_fp32", "onnx_int8", "onnx_int4")}
-    assert sizes["onnx_int4"] < sizes["onnx_int8"] < sizes["onnx_fp32"]
+@pytest.mark.parametrize(
+    ("four", "eight", "full"),
+    [
+        ("onnx_int4", "onnx_int8", "onnx_fp32"),
+        ("quanto_w4a16", "quanto_w8a16", "baseline"),
+        ("bnb_nf4", "bnb_int8", "baseline"),
+    ],
+)
+def test_four_bit_weights_are_smaller_than_eight_bit_and_float(variants, four, eight, full):
+    sizes = {n: read_manifest(variants[n]).size_bytes for n in (four, eight, full)}
+    assert sizes[four] < sizes[eight] < sizes[full]
 
 
 def test_manifest_records_recipe_sizes_and_hashes(variants):

@@ -38,8 +38,10 @@ def test_unknown_key_names_its_path_and_suggests_the_close_one(tmp_path):
 
 
 def test_unknown_key_inside_a_variant_step_is_located(tmp_path):
-    text = "variants:\n  baseline: {}\n  q:\n    steps:\n      - quantize: {method: torch_dynamic_int8, bits: 3}\n"
-    with pytest.raises(ConfigError, match=r"variants\.q\.steps\[0\]\.quantize\.bits: unknown key"):
+    text = "variants:\n  baseline: {}\n  q:\n    steps:\n      - quantize: {method: torch_dynamic_int8, bitz: 3}\n"
+    with pytest.raises(
+        ConfigError, match=r"variants\.q\.steps\[0\]\.quantize\.bitz: unknown key \(did you mean 'bits'\?\)"
+    ):
         load_config(write(tmp_path, text))
 
 
@@ -68,7 +70,7 @@ def test_a_step_must_name_exactly_one_technique():
 
 
 def test_dynamic_int8_in_bf16_is_refused():
-    with pytest.raises(ValueError, match="computes in float32"):
+    with pytest.raises(ValueError, match="quantize steps set their own compute precision"):
         VariantConfig.model_validate(
             {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}], "runtime": {"dtype": "bfloat16"}}
         )
@@ -113,3 +115,33 @@ def test_recipe_hash_ignores_the_variant_name_but_not_the_recipe():
 def test_benchmark_without_batch_one_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"benchmark: batch_sizes must include 1"):
         load_config(write(tmp_path, MINIMAL + "benchmark:\n  batch_sizes: [4, 8]\n"))
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [
+        ("runtime: {kv_cache_bits: 2}", "kv_cache_bits applies only with kv_cache: quantized"),
+        (
+            "steps: [{onnx_genai: {precision: int8}}]\n    runtime: {attention: eager}",
+            "runtime.attention applies to the torch engine",
+        ),
+        ("runtime: {sliding_window: 4}", "greater than or equal to 8"),
+    ],
+)
+def test_runtime_settings_that_cannot_apply_are_refused(tmp_path, variant, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, f"{MINIMAL}  v:\n    {variant}\n"))
+
+
+def test_unset_runtime_settings_keep_existing_recipe_hashes():
+    assert VariantConfig().recipe() == {"steps": [], "runtime": {"dtype": "float32"}}
+
+
+def test_a_setting_of_another_quantization_method_is_refused(tmp_path):
+    text = (
+        "variants:\n  baseline: {}\n  q:\n    steps:\n      - quantize: {method: bnb_int8, group_size: 64}\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"group_size applies to torchao_int4_weight_only / gptq, not bnb_int8"
+    ):
+        load_config(write(tmp_path, text))

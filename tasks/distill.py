@@ -1,0 +1,217 @@
+"""distill: train a shallower copy of the model (the student) to imitate the original (the teacher).
+
+Per step, over the batch's real (non-padding) positions t that have a next token:
+
+    loss = alpha * T² * KL(softmax(z_teacher / T) || softmax(z_student / T)) + (1 - alpha) * CE(z_student, x[t+1])
+
+KL is summed over the vocabulary and averaged over positions; T² keeps the soft-target gradients on the same scale
+as the hard-label ones whatever the temperature (Hinton et al., 2015). Training stops at `steps` or after
+`max_seconds` of this call, whichever comes first, and checkpoints atomically so a later call resumes where it left.
+Batches are chosen from (seed, step) alone, so an interrupted-then-resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+CHECKPOINT_FILE = "distill-checkpoint.pt"
+PAD_LABEL = -100  # cross_entropy's ignore_index
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """How long and how to distill; everything but steps and max_seconds must match to resume a checkpoint."""
+
+    steps: int
+    max_seconds: float
+    lr: float
+    temperature: float
+    alpha: float
+    batch_size: int
+    checkpoint_every: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    """Where a distillation call ended: the total step count, the per-step losses and why it stopped."""
+
+    step: int
+    resumed_from: int
+    history: list[dict[str, float]]
+    stopped_by: Literal["steps", "max_seconds"]
+    checkpoint: Path
+
+
+def build_student(teacher: Any, keep_every: int) -> Any:
+    """A copy of `teacher` keeping decoder layers 0, k, 2k, … and always the last one (it feeds the final norm)."""
+    import torch
+
+    if keep_every < 1:
+        raise ValueError(f"keep_every: must be at least 1, got {keep_every}")
+    count = teacher.config.num_hidden_layers
+    kept = sorted(set(range(0, count, keep_every)) | {count - 1})
+    student = copy.deepcopy(teacher)
+    student.model.layers = torch.nn.ModuleList(student.model.layers[i] for i in kept)
+    for new_index, layer in enumerate(student.model.layers):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = new_index  # the KV cache is indexed by position in the stack
+    student.config.num_hidden_layers = len(kept)
+    if getattr(student.config, "layer_types", None) is not None:
+        student.config.layer_types = [student.config.layer_types[i] for i in kept]
+    return student
+
+
+def distill(
+    teacher: Any,
+    student: Any,
+    batches: list[list[int]],
+    settings: DistillSettings,
+    checkpoint_dir: Path,
+    on_step: Callable[[int, dict[str, float]], None] | None,
+) -> DistillResult:
+    """Train `student` on `batches` (token sequences) against `teacher`, resuming from `checkpoint_dir` if it holds one."""
+    import torch
+
+    _check_settings(settings, batches)
+    started = time.monotonic()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=settings.lr)
+    step, history = _resume(student, optimizer, settings, checkpoint_dir)
+    resumed_from = step
+    teacher.eval()
+    student.train()
+    while step < settings.steps and time.monotonic() - started < settings.max_seconds:
+        ids, mask = (t.to(student.device) for t in pad_batch(batch_for_step(batches, settings, step)))
+        losses = distillation_step(teacher, student, optimizer, ids, mask, settings)
+        step += 1
+        history.append(losses)
+        if step % settings.checkpoint_every == 0:
+            save_checkpoint(checkpoint_dir, student, optimizer, settings, step, history)
+        if on_step is not None:
+            on_step(step, losses)
+    student.eval()
+    path = save_checkpoint(checkpoint_dir, student, optimizer, settings, step, history)
+    stopped_by = "steps" if step >= settings.steps else "max_seconds"
+    return DistillResult(step, resumed_from, history, stopped_by, path)
+
+
+def distillation_step(
+    teacher: Any, student: Any, optimizer: Any, ids: Any, mask: Any, settings: DistillSettings
+) -> dict[str, float]:
+    """One AdamW step on the blended KL + CE loss; the three loss values."""
+    import torch
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    student_logits = student(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    valid = mask[:, 1:].bool()  # right padding: position t is scored when token t+1 is real
+    t = settings.temperature
+    kl = F.kl_div(
+        F.log_softmax(student_logits[valid] / t, dim=-1),
+        F.log_softmax(teacher_logits[valid] / t, dim=-1),
+        log_target=True,
+        reduction="batchmean",
+    )
+    ce = F.cross_entropy(student_logits[valid], ids[:, 1:][valid])
+    loss = settings.alpha * t * t * kl + (1 - settings.alpha) * ce
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss.item(), "kl": kl.item(), "ce": ce.item()}
+
+
+def batch_for_step(batches: list[list[int]], settings: DistillSettings, step: int) -> list[list[int]]:
+    """The sequences of a step: epoch-wise shuffles seeded by (seed, epoch), so any step is reproducible alone."""
+    start = step * settings.batch_size
+    chosen = []
+    for position in range(start, start + settings.batch_size):
+        epoch, index = divmod(position, len(batches))
+        order = list(range(len(batches)))
+        random.Random(settings.seed * 1_000_003 + epoch).shuffle(order)
+        chosen.append(batches[order[index]])
+    return chosen
+
+
+def pad_batch(sequences: list[list[int]]) -> tuple[Any, Any]:
+    """Right-pad token sequences into (input_ids, attention_mask) tensors; pads are masked out of every loss."""
+    import torch
+
+    width = max(len(ids) for ids in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        mask[row, : len(sequence)] = 1
+    return ids, mask
+
+
+def save_checkpoint(
+    folder: Path,
+    student: Any,
+    optimizer: Any,
+    settings: DistillSettings,
+    step: int,
+    history: list[dict[str, float]],
+) -> Path:
+    """Write student, optimizer, step, loss history and RNG state to a temporary file, then rename it into place."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / CHECKPOINT_FILE
+    partial = path.with_name(path.name + ".partial")
+    state = {
+        "student": student.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "history": history,
+        "rng": torch.get_rng_state(),
+        "settings": asdict(settings),
+    }
+    torch.save(state, partial)
+    os.replace(partial, path)
+    return path
+
+
+def _resume(
+    student: Any, optimizer: Any, settings: DistillSettings, folder: Path
+) -> tuple[int, list[dict[str, float]]]:
+    """Load the checkpoint in `folder` into student and optimizer (step and history), or seed a fresh run."""
+    import torch
+
+    path = folder / CHECKPOINT_FILE
+    if not path.exists():
+        torch.manual_seed(settings.seed)
+        return 0, []
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    saved = {k: v for k, v in state["settings"].items() if k not in ("steps", "max_seconds")}
+    current = {k: v for k, v in asdict(settings).items() if k not in ("steps", "max_seconds")}
+    if saved != current:
+        raise ValueError(
+            f"checkpoint_dir: {path} was written with settings {saved}, not {current}; use a new folder"
+        )
+    student.load_state_dict(state["student"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return state["step"], state["history"]
+
+
+def _check_settings(settings: DistillSettings, batches: list[list[int]]) -> None:
+    """Refuse settings that cannot train: empty data, non-positive counts, alpha outside [0, 1], T <= 0."""
+    if not batches or any(len(ids) < 2 for ids in batches):
+        raise ValueError("batches: need at least one token sequence, each of at least 2 tokens")
+    for name in ("steps", "batch_size", "checkpoint_every"):
+        if getattr(settings, name) < 1:
+            raise ValueError(f"settings.{name}: must be at least 1, got {getattr(settings, name)}")
+    if not 0.0 <= settings.alpha <= 1.0:
+        raise ValueError(f"settings.alpha: must be in [0, 1], got {settings.alpha}")
+    if settings.temperature <= 0:
+        raise ValueError(f"settings.temperature: must be positive, got {settings.temperature}")

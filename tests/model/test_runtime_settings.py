@@ -1,0 +1,80 @@
+"""Runtime settings (attention, KV cache, sliding window, DeepSpeed) on a tiny Llama: they load, generate and do
+what they claim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.config import VariantConfig
+from tasks.hashing import folder_sha256
+from tasks.load import BaseModel
+from tasks.optimize import build_variant
+from tasks.runtime import generation_options, kv_cache_bytes, load_runtime, runtime_settings
+
+SETTINGS = {
+    "baseline": {},
+    "eager": {"attention": "eager"},
+    "static_kv": {"kv_cache": "static"},
+    "kv4": {"kv_cache": "quantized"},
+    "kv2": {"kv_cache": "quantized", "kv_cache_bits": 2},
+    "window8": {"sliding_window": 8},
+    "deepspeed": {"engine": "deepspeed"},
+}
+TEXT = "The river walks the stone near the garden 12. The train finds the book near the quiet forest 7."
+
+
+@pytest.fixture(scope="module")
+def runtimes(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = BaseModel(tiny_model_dir, folder_sha256(tiny_model_dir), "tiny")
+    root = tmp_path_factory.mktemp("runtime-settings")
+    for name, runtime in SETTINGS.items():
+        build_variant(name, VariantConfig.model_validate({"runtime": runtime}), base, "d", root / name)
+    return {name: load_runtime(root / name, threads=1) for name in SETTINGS}
+
+
+def logits(runtime, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return runtime.model(input_ids=torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("name", ["eager", "static_kv", "deepspeed"])
+def test_exact_settings_generate_what_the_baseline_generates(runtimes, name):
+    ids = runtimes["baseline"].encode(TEXT)
+    expected = runtimes["baseline"].generate([ids, ids[:-3]], 10, stop_at_eos=False)
+    assert runtimes[name].generate([ids, ids[:-3]], 10, stop_at_eos=False) == expected
+    assert torch.allclose(logits(runtimes[name], ids), logits(runtimes["baseline"], ids), atol=1e-5)
+
+
+def test_quantized_kv_cache_holds_fewer_bytes_than_the_full_precision_cache(runtimes):
+    ids = runtimes["baseline"].encode(TEXT * 3)
+    sizes = {}
+    for name in ("baseline", "kv4", "kv2"):
+        model = runtimes[name].model
+        options = generation_options(runtime_settings(runtimes[name].manifest), model.config.head_dim)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=torch.tensor([ids]),
+                max_new_tokens=24,
+                do_sample=False,
+                return_dict_in_generate=True,
+                **options,
+            )
+        sizes[name] = kv_cache_bytes(out.past_key_values)
+    assert sizes["kv2"] < sizes["kv4"] < 0.6 * sizes["baseline"]
+    assert len(runtimes["kv4"].generate([ids], 8, stop_at_eos=False)[0]) == 8
+
+
+def test_sliding_window_sees_only_the_last_tokens_and_bounds_the_cache(runtimes):
+    ids = runtimes["baseline"].encode(TEXT)
+    full, windowed = logits(runtimes["baseline"], ids), logits(runtimes["window8"], ids)
+    assert len(ids) > 16
+    assert torch.allclose(full[:8], windowed[:8], atol=1e-5)  # inside the window nothing changes
+    assert not torch.allclose(full[12:], windowed[12:], atol=1e-3)  # beyond it, older tokens are out of sight
+    with torch.no_grad():
+        out = runtimes["window8"].model.generate(
+            input_ids=torch.tensor([ids]), max_new_tokens=4, do_sample=False, return_dict_in_generate=True
+        )
+    assert out.past_key_values.layers[0].keys.shape[-2] < 8 < len(ids)
