@@ -143,6 +143,10 @@ def _setup_flow_run(params: Path, debug: bool) -> tuple[Config, Path]:
 
     check_target(config)
     check_model_source(config.model)
+    if config.evaluate.lm_eval_tasks:
+        from tasks.lm_eval_tasks import require_lm_eval
+
+        require_lm_eval()
     # Prefect's embedded server needs its home folder to exist before it opens its database there.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     return config, root
@@ -230,7 +234,7 @@ def _print_comparison(previous: dict, spread) -> None:
 
 def _wide_console() -> Console:
     out = Console()
-    out.width = max(out.width, 160)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
+    out.width = max(out.width, 200)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
     return out
 
 

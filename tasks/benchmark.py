@@ -68,8 +68,8 @@ def measure(
     runtime: Runtime, prompts: list[list[int]], new_tokens: int, warmup: int, repeats: int
 ) -> tuple[list[float], list[float]]:
     """(TTFT seconds per repeat, total seconds for `new_tokens` per repeat) of one batch, after warm-up runs."""
-    for _ in range(warmup):
-        runtime.generate(prompts, new_tokens, stop_at_eos=False)
+    for _ in range(warmup):  # a few tokens settle allocation and kernel choice for these shapes
+        runtime.generate(prompts, min(new_tokens, 4), stop_at_eos=False)
     ttft, total = [], []
     for _ in range(repeats):
         ttft.append(_timed(lambda: runtime.generate(prompts, 1, stop_at_eos=False)))

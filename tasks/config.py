@@ -59,6 +59,10 @@ class EvaluateConfig(Strict):
     cloze_items: Annotated[int, Field(ge=1)] = 64
     cloze_context_words: Annotated[int, Field(ge=1)] = 64
     cloze_new_tokens: Annotated[int, Field(ge=1, le=64)] = 6
+    lm_eval_tasks: list[
+        Annotated[str, Field(min_length=1)]
+    ] = []  # lm-evaluation-harness tasks (online users)
+    lm_eval_limit: Annotated[int, Field(ge=1)] | None = 100  # examples per task (None: all)
 
 
 class BenchmarkConfig(Strict):
@@ -70,7 +74,7 @@ class BenchmarkConfig(Strict):
         128,
         512,
     ]
-    requests: Annotated[int, Field(ge=1, le=10_000)] = 12
+    requests: Annotated[int, Field(ge=1, le=10_000)] = 10
     request_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
     warmup: Annotated[int, Field(ge=0)] = 1
     repeats: Annotated[int, Field(ge=1)] = 3
@@ -187,7 +191,10 @@ class PruneStep(Strict):
 class DistillStep(Strict):
     """Knowledge distillation into a shallower student (every k-th layer kept), KL on teacher logits + CE."""
 
-    keep_every: Annotated[int, Field(ge=2, le=64)] = 2  # keep layers 0, k, 2k, … and the last
+    keep_every: Annotated[int, Field(ge=2, le=64)] | None = None  # keep layers 0, k, 2k, … and the last [2]
+    layers: Annotated[int, Field(ge=2)] | None = (
+        None  # or: this many layers, evenly spaced from first to last
+    )
     steps: Annotated[int, Field(ge=1, le=1_000_000)] = 200
     max_seconds: Annotated[float, Field(gt=0)] = 600.0  # wall-clock bound; a later run resumes the checkpoint
     lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
@@ -199,6 +206,12 @@ class DistillStep(Strict):
     )
     checkpoint_every: Annotated[int, Field(ge=1)] = 25
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_depth_rule(self) -> DistillStep:
+        if self.keep_every is not None and self.layers is not None:
+            raise ValueError("set keep_every or layers, not both")
+        return self
 
 
 class Step(Strict):
@@ -332,10 +345,27 @@ def load_config(path: Path) -> Config:
         raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: must be a mapping of sections, got {type(raw).__name__}")
+    if "extends" in raw:
+        raw = _extend(path, raw)
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(path.name, exc)) from None
+
+
+def _extend(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """A profile file: `extends: params.yaml` plus the sections it changes (keys merged into the base's sections;
+    variants added to, or replacing, the base's variants by name)."""
+    base_path = path.parent / str(raw.pop("extends"))
+    if base_path.resolve() == path.resolve():
+        raise ConfigError(f"{path}: extends: names the file itself")
+    base = yaml.safe_load(base_path.read_text()) if base_path.is_file() else None
+    if not isinstance(base, dict) or "extends" in base:
+        raise ConfigError(f"{path}: extends: {base_path} must be a plain params file (one level of extends)")
+    for section, values in raw.items():
+        merged = isinstance(values, dict) and isinstance(base.get(section), dict)
+        base[section] = {**base[section], **values} if merged else values
+    return base
 
 
 def describe_validation_error(source: str, exc: ValidationError) -> str:

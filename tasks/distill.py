@@ -50,14 +50,23 @@ class DistillResult:
     checkpoint: Path
 
 
-def build_student(teacher: Any, keep_every: int) -> Any:
-    """A copy of `teacher` keeping decoder layers 0, k, 2k, … and always the last one (it feeds the final norm)."""
+def student_layers(count: int, keep_every: int | None = None, layers: int | None = None) -> list[int]:
+    """Teacher layers the student keeps: 0, k, 2k, … and the last (it feeds the final norm), or `layers` evenly
+    spaced ones from the first to the last."""
+    if layers is not None:
+        if not 2 <= layers <= count:
+            raise ValueError(f"layers: must be between 2 and the teacher's {count}, got {layers}")
+        return sorted({round(i * (count - 1) / (layers - 1)) for i in range(layers)})
+    if keep_every is None or keep_every < 1:
+        raise ValueError(f"keep_every: must be at least 1, got {keep_every}")
+    return sorted(set(range(0, count, keep_every)) | {count - 1})
+
+
+def build_student(teacher: Any, keep_every: int | None = None, layers: int | None = None) -> Any:
+    """A copy of `teacher` with only the decoder layers `student_layers` picks."""
     import torch
 
-    if keep_every < 1:
-        raise ValueError(f"keep_every: must be at least 1, got {keep_every}")
-    count = teacher.config.num_hidden_layers
-    kept = sorted(set(range(0, count, keep_every)) | {count - 1})
+    kept = student_layers(teacher.config.num_hidden_layers, keep_every, layers)
     student = copy.deepcopy(teacher)
     student.model.layers = torch.nn.ModuleList(student.model.layers[i] for i in kept)
     for new_index, layer in enumerate(student.model.layers):

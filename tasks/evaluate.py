@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.config import EvaluateConfig
@@ -78,6 +78,7 @@ class VariantEvaluation:
     agreement: AgreementResult
     continuations: list[list[int]]
     cloze: ClozeResult
+    lm_eval: dict[str, float] = field(default_factory=dict)  # '<task>.<metric>' from lm-eval, when configured
 
 
 def agreement_prompts(runtime: Runtime, texts: list[str], cfg: EvaluateConfig) -> list[list[int]]:
@@ -120,7 +121,12 @@ def evaluate_variant(
             "evaluation split has no cloze items (sentences ending in a word, at least 8 words into a passage)"
         )
     cloze = cloze_accuracy(runtime, items, cfg.cloze_new_tokens)
-    return VariantEvaluation(perplexity, agreement, continuations, cloze)
+    harness = {}
+    if cfg.lm_eval_tasks:
+        from tasks.lm_eval_tasks import run_lm_eval
+
+        harness = run_lm_eval(runtime, cfg.lm_eval_tasks, cfg.lm_eval_limit)
+    return VariantEvaluation(perplexity, agreement, continuations, cloze, harness)
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,7 @@ def load_evaluation(path: Path, key: str) -> VariantEvaluation | None:
             AgreementResult(**data["agreement"]),
             data["continuations"],
             ClozeResult(**data["cloze"]),
+            data.get("lm_eval", {}),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -97,10 +97,8 @@ def _distill_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, s
 
     cfg = step.distill
     with _step_arguments("distill"):
-        student = build_student(model, cfg.keep_every)
-    settings = DistillSettings(
-        **cfg.model_dump(exclude={"keep_every", "sequence_tokens"}),
-    )
+        student = build_student(model, cfg.keep_every or (None if cfg.layers else 2), cfg.layers)
+    settings = DistillSettings(**cfg.model_dump(exclude={"keep_every", "layers", "sequence_tokens"}))
     result = distill(
         model,
         student,
@@ -126,9 +124,13 @@ STEP_APPLIERS: dict[str, Callable[[Any, Step, BuildContext], tuple[Any, str, str
 }
 
 
+BUILDER_MODULES = ("optimize.py", "quantize.py", "prune.py", "distill.py")
+
+
 def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) -> str:
     """Content address of a variant: same base, data, recipe, builder code and libraries → same artifact."""
-    builder = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    code = b"".join((Path(__file__).parent / name).read_bytes() for name in BUILDER_MODULES)
+    builder = hashlib.sha256(code).hexdigest()
     versions = ",".join(f"{k}={v}" for k, v in sorted(_library_versions().items()))
     key = f"{base_hash}\0{data_hash}\0{variant.recipe_hash()}\0{builder}\0{versions}"
     return hashlib.sha256(key.encode()).hexdigest()
@@ -219,7 +221,9 @@ def _apply_recipe(
     export = next((step.onnx_genai for step in variant.steps if step.onnx_genai is not None), None)
     if export is not None:
         with tempfile.TemporaryDirectory(prefix="llmopt-export-") as scratch:
-            source = base_path if not torch_steps else _save_float_model(model, Path(scratch))
+            source = (
+                base_path if not torch_steps else _save_float_model(model, context.tokenizer, Path(scratch))
+            )
             build_onnx_genai(source, dest, export, Path(scratch) / "builder-cache")
         AutoTokenizer.from_pretrained(base_path).save_pretrained(dest)
         note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
@@ -234,8 +238,10 @@ def _apply_recipe(
     return weights_format, "torch", parameters, notes
 
 
-def _save_float_model(model: Any, folder: Path) -> Path:
+def _save_float_model(model: Any, tokenizer: Any, folder: Path) -> Path:
+    """The changed float model as an HF folder (the ONNX builder reads the tokenizer from it too)."""
     model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
     return folder / "model"
 
 
@@ -259,7 +265,14 @@ def _library_versions() -> dict[str, str]:
     from importlib import metadata
 
     versions = {}
-    for package in ("torch", "transformers", "onnxruntime-genai"):
+    for package in (
+        "torch",
+        "transformers",
+        "onnxruntime-genai",
+        "torchao",
+        "optimum-quanto",
+        "bitsandbytes",
+    ):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

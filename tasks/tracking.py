@@ -113,6 +113,7 @@ def log_variant_run(
         "token_agreement": evaluation.agreement.token_agreement,
         "exact_match": evaluation.agreement.exact_match,
         "cloze_accuracy": evaluation.cloze.accuracy,
+        **{f"lm_eval.{name}": value for name, value in evaluation.lm_eval.items()},
         "decode_tok_s": bench.decode_tok_s,
         "decode_tok_s_ci_low": bench.decode_tok_s_ci[0],
         "decode_tok_s_ci_high": bench.decode_tok_s_ci[1],

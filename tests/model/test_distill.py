@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tasks.distill import CHECKPOINT_FILE, DistillSettings, build_student, distill
+from tasks.distill import CHECKPOINT_FILE, DistillSettings, build_student, distill, student_layers
 from tests.factories import synthetic_sentences
 
 SETTINGS = DistillSettings(
@@ -64,6 +64,13 @@ def test_student_keeps_every_kth_layer_and_the_last_then_reloads_and_generates(t
     cached = reloaded.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
     assert cached.shape == (1, ids.shape[1] + 6)
     assert torch.equal(cached, reloaded.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False))
+
+
+def test_student_layers_can_be_a_count_spread_evenly_from_first_to_last():
+    assert student_layers(30, layers=20)[:4] == [0, 2, 3, 5] and len(student_layers(30, layers=20)) == 20
+    assert student_layers(30, layers=20)[-1] == 29 and student_layers(4, layers=2) == [0, 3]
+    with pytest.raises(ValueError, match="layers: must be between 2 and the teacher's 4"):
+        student_layers(4, layers=5)
 
 
 def test_student_refuses_a_non_positive_keep_every(teacher):

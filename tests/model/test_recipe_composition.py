@@ -51,6 +51,19 @@ def base(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Base
     return BaseModel(folder, folder_sha256(folder), "four-layers")
 
 
+def test_pruned_model_exports_to_onnx_and_scores_like_its_torch_twin(base, tmp_path):
+    calibration = [" ".join(synthetic_sentences(20, seed=s)) for s in range(4)]
+    prune = {"prune": {"method": "structured", "mlp_fraction": 0.5, "importance": "activation"}}
+    for name, steps in {"torch": [prune], "onnx": [prune, {"onnx_genai": {"precision": "fp32"}}]}.items():
+        build_variant(
+            name, VariantConfig.model_validate({"steps": steps}), base, "d", tmp_path / name, calibration
+        )
+    torch_runtime, onnx_runtime = (load_runtime(tmp_path / n, threads=1) for n in ("torch", "onnx"))
+    ids = torch_runtime.encode("The river walks the stone near the garden")
+    assert onnx_runtime.manifest.engine == "onnxruntime-genai"
+    assert onnx_runtime.score([ids])[0][0] == pytest.approx(torch_runtime.score([ids])[0][0], rel=1e-4)
+
+
 @pytest.mark.parametrize(("recipe", "layers"), [(PRUNE_THEN_INT8, 4), (DISTILL_THEN_INT8, 3)])
 def test_float_steps_then_int8_build_reload_and_generate(base, tmp_path, recipe, layers):
     calibration = [" ".join(synthetic_sentences(20, seed=s)) for s in range(4)]

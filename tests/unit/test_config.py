@@ -1,8 +1,9 @@
+import typing
 from pathlib import Path
 
 import pytest
 
-from tasks.config import Config, VariantConfig, load_config
+from tasks.config import Config, QuantizeMethod, VariantConfig, load_config
 from tasks.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,3 +146,26 @@ def test_a_setting_of_another_quantization_method_is_refused(tmp_path):
         ConfigError, match=r"group_size applies to torchao_int4_weight_only / gptq, not bnb_int8"
     ):
         load_config(write(tmp_path, text))
+
+
+def test_a_profile_extends_the_default_file_adding_variants_and_changing_keys(tmp_path):
+    write(
+        tmp_path,
+        "evaluate:\n  window: 128\n  max_tokens: 512\nvariants:\n  baseline: {}\n  bf16: {runtime: {dtype: bfloat16}}\n",
+    )
+    profile = tmp_path / "params.full.yaml"
+    profile.write_text(
+        "extends: params.yaml\nevaluate:\n  window: 64\nvariants:\n  eager: {runtime: {attention: eager}}\n"
+    )
+    config = load_config(profile)
+    assert (config.evaluate.window, config.evaluate.max_tokens) == (64, 512)
+    assert list(config.variants) == ["baseline", "bf16", "eager"]
+
+
+def test_repository_full_profile_loads_and_enables_every_step_kind():
+    config = load_config(REPO / "params.full.yaml")
+    kinds = {step.kind for variant in config.variants.values() for step in variant.steps}
+    assert kinds == {"prune", "distill", "quantize", "onnx_genai"}
+    methods = {s.quantize.method for v in config.variants.values() for s in v.steps if s.quantize}
+    assert methods == set(typing.get_args(QuantizeMethod)) - {"gptq"}  # gptq: GPU targets only
+    assert config.variants.keys() > load_config(REPO / "params.yaml").variants.keys()
