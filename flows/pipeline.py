@@ -120,11 +120,11 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     base, data = prepare_flow_inputs(config, root)
     texts = read_split(data.folder, "evaluation")
     fingerprint = machine_fingerprint(config.target.threads)
-    bandwidth = memory_read_bandwidth_gbs(config.target.threads)
-    logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
+        bandwidth = memory_read_bandwidth_gbs(config.target.threads)  # once the services have settled
+        logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
         scores, manifests, runs, reference = [], {}, {}, None
         evaluations = workdir(config, root) / "evaluations"
         for name, variant in baseline_first(config):
@@ -183,5 +183,5 @@ def variant_score(
         batch_decode_tok_s=tuple((b.batch_size, b.decode_tok_s) for b in bench.batches),
         ttft_ms_by_prompt=tuple(sorted(bench.ttft_ms_by_prompt.items())),
         latency_p95_ms=bench.latency_ms["p95"],
-        roofline_fraction=roofline_fraction(bench.decode_tok_s, bench.weight_bytes, bandwidth_gbs),
+        roofline_fraction=roofline_fraction(bench.decode_tok_s, bench.decode_read_bytes, bandwidth_gbs),
     )

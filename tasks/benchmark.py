@@ -10,6 +10,7 @@ that evaluation and serving use.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import statistics
 import time
@@ -49,7 +50,8 @@ class BenchmarkResult:
     latency_ms_runs: list[float]
     prompt_tokens: int
     new_tokens: int
-    weight_bytes: int  # bytes of weight files: what a decode step must read from memory
+    weight_bytes: int  # bytes of weight files on disk
+    decode_read_bytes: int  # of which a batch-1 decode step reads (an untied embedding table only one row)
     peak_rss_mb: float
     process_rss_before_load_mb: float
     threads: int
@@ -156,6 +158,44 @@ def weight_bytes(folder: Path) -> int:
     )
 
 
+def decode_read_bytes(folder: Path) -> int:
+    """Weight bytes one batch-1 decode step reads: every weight file, less an input-embedding table stored apart
+    from the output projection (a step reads one row of it; a tied table is read whole by the output layer)."""
+    tensors = stored_tensor_bytes(folder)
+    embeddings = sum(size for name, size in tensors.items() if name.endswith("embed_tokens.weight"))
+    untied = any("lm_head" in name for name in tensors)
+    return weight_bytes(folder) - (embeddings if untied else 0)
+
+
+def stored_tensor_bytes(folder: Path) -> dict[str, int]:
+    """Name → bytes of the tensors in a variant's safetensors, ONNX and torch files (headers only where possible)."""
+    import json
+
+    tensors: dict[str, int] = {}
+    for path in folder.glob("*.safetensors"):
+        with path.open("rb") as handle:
+            header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+        tensors.update(
+            {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+        )
+    for path in folder.glob("*.onnx"):
+        import onnx
+        from onnx import helper
+
+        graph = onnx.load(str(path), load_external_data=False).graph
+        for init in graph.initializer:
+            itemsize = helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+            tensors[init.name] = int(math.prod(init.dims)) * itemsize
+    for path in folder.glob("*.pt"):
+        import torch
+
+        state = torch.load(path, mmap=True, weights_only=True)
+        tensors.update(
+            {k: v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
+        )
+    return tensors
+
+
 def benchmark_variant(folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int) -> BenchmarkResult:
     """Load the variant and measure TTFT, decode speed per batch size and latency over the request set."""
     rss_before = _rss_mb()
@@ -186,6 +226,7 @@ def benchmark_variant(folder: Path, cfg: BenchmarkConfig, prompt_text: str, thre
         prompt_tokens=len(prompt),
         new_tokens=cfg.new_tokens,
         weight_bytes=weight_bytes(folder),
+        decode_read_bytes=decode_read_bytes(folder),
         peak_rss_mb=_peak_rss_mb(),
         process_rss_before_load_mb=rss_before,
         threads=threads,
@@ -232,7 +273,7 @@ def median_trial(trials: list[BenchmarkResult]) -> BenchmarkResult:
     return speeds[(len(speeds) - 1) // 2]
 
 
-def memory_read_bandwidth_gbs(threads: int, megabytes: int = 512, trials: int = 5) -> float:
+def memory_read_bandwidth_gbs(threads: int, megabytes: int = 512, trials: int = 10) -> float:
     """The machine's memory read bandwidth: best of `trials` sums over a buffer far larger than the caches."""
     import torch
 
@@ -242,9 +283,9 @@ def memory_read_bandwidth_gbs(threads: int, megabytes: int = 512, trials: int = 
     return buffer.numel() * 4 / best / 1e9
 
 
-def roofline_fraction(decode_tok_s: float, weight_bytes: int, bandwidth_gbs: float) -> float:
-    """Decode speed as a share of the memory-bound ceiling: each batch-1 token reads every weight once."""
-    return decode_tok_s * weight_bytes / (bandwidth_gbs * 1e9)
+def roofline_fraction(decode_tok_s: float, read_bytes: int, bandwidth_gbs: float) -> float:
+    """Decode speed as a share of the memory-bound ceiling: each batch-1 token reads `read_bytes` of weights."""
+    return decode_tok_s * read_bytes / (bandwidth_gbs * 1e9)
 
 
 def _timed(call: Callable[[], object]) -> float:

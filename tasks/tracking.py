@@ -122,6 +122,7 @@ def log_variant_run(
         **{f"ttft_ms_prompt{n}": ms for n, ms in bench.ttft_ms_by_prompt.items()},
         **{f"latency_ms_{q}": ms for q, ms in bench.latency_ms.items()},
         "weight_mb": bench.weight_bytes / 1e6,
+        "decode_read_mb": bench.decode_read_bytes / 1e6,
         "ttft_ms": bench.ttft_ms,
         "load_s": bench.load_s,
         "peak_rss_mb": bench.peak_rss_mb,

@@ -2,18 +2,22 @@
 
 import numpy as np
 import pytest
+import torch
 
 from tasks.benchmark import (
     BatchSpeed,
     BenchmarkResult,
     benchmark_in_fresh_process,
     decode_rate,
+    decode_read_bytes,
     median_interval,
     median_trial,
     percentiles,
     request_set,
     roofline_fraction,
+    stored_tensor_bytes,
     trial_spread,
+    weight_bytes,
 )
 from tasks.config import BenchmarkConfig, VariantConfig
 from tasks.hashing import folder_sha256
@@ -51,9 +55,7 @@ def test_request_set_is_fixed_and_spans_the_prompt_lengths():
 
 
 def test_roofline_fraction_is_speed_times_bytes_over_bandwidth():
-    assert roofline_fraction(decode_tok_s=100, weight_bytes=135_000_000, bandwidth_gbs=27) == pytest.approx(
-        0.5
-    )
+    assert roofline_fraction(decode_tok_s=100, read_bytes=135_000_000, bandwidth_gbs=27) == pytest.approx(0.5)
     assert percentiles([float(v) for v in range(101)]) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
 
 
@@ -79,6 +81,9 @@ def test_fresh_process_reports_its_own_peak_memory_not_the_parents(variant_dir):
     assert sorted(result.ttft_ms_by_prompt) == [4, 16] and len(result.latency_ms_runs) == 5
     assert result.latency_ms["p50"] <= result.latency_ms["p95"] <= result.latency_ms["p99"]
     assert result.weight_bytes == (variant_dir / "model.safetensors").stat().st_size
+    assert (
+        result.decode_read_bytes == result.weight_bytes
+    )  # tied embeddings: the output layer reads them whole
 
 
 def fake_result(decode: float, ttft: float = 10.0) -> BenchmarkResult:
@@ -98,6 +103,7 @@ def fake_result(decode: float, ttft: float = 10.0) -> BenchmarkResult:
         prompt_tokens=8,
         new_tokens=4,
         weight_bytes=100,
+        decode_read_bytes=100,
         peak_rss_mb=10.0,
         process_rss_before_load_mb=5.0,
         threads=1,
@@ -111,3 +117,12 @@ def test_trial_spread_is_range_over_median_and_the_median_trial_is_kept():
     assert spread["decode tok/s bs1"].spread == pytest.approx(0.2)
     assert spread["TTFT ms"].median == 10.0
     assert median_trial(trials).ttft_ms == 12.0
+
+
+def test_an_untied_embedding_table_is_not_counted_as_read_per_token(tmp_path):
+    from safetensors.torch import save_file
+
+    tables = {"model.embed_tokens.weight": torch.ones(100, 10), "lm_head.weight": torch.ones(100, 10)}
+    save_file(tables, tmp_path / "a.safetensors")
+    assert stored_tensor_bytes(tmp_path)["lm_head.weight"] == 4000
+    assert decode_read_bytes(tmp_path) == weight_bytes(tmp_path) - 4000
