@@ -55,7 +55,7 @@ def load_task(config: Config, root: Path) -> BaseModel:
 @task(name="data", cache_policy=NO_CACHE)
 def data_task(config: Config, root: Path) -> PreparedData:
     work = workdir(config, root)
-    return prepare_data(config.data, work / "downloads", work / "data")
+    return prepare_data(config.data, root / config.project.downloads, work / "data")
 
 
 @task(name="optimize", task_run_name="optimize-{name}", cache_policy=NO_CACHE)

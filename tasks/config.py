@@ -27,6 +27,7 @@ class Strict(BaseModel):
 class ProjectConfig(Strict):
     name: str = Field("smollm2-135m-instruct", min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     workdir: str = ".llmopt"
+    downloads: str = ".llmopt/downloads"  # fetched inputs (`make corpus`), shared by every profile's workdir
 
 
 class ModelConfig(Strict):

@@ -133,6 +133,11 @@ def test_bench_reuses_evaluations_reports_spread_and_refuses_another_machine(pro
     assert len(runs) == 1 and runs[0].data.metrics["memory_read_bandwidth_gbs"] > 0
     assert "spread_baseline_decode_tok_per_s_bs1" in runs[0].data.metrics
 
+    previous = root / "previous-bench.json"
+    previous.write_bytes((root / ".llmopt/bench/bench.json").read_bytes())
+    again = run(root, "llmopt", "bench", "--trials", "1", "--compare", str(previous))
+    assert "Against the compared run" in again.stdout and "onnx_int8" in again.stdout
+
     bench["fingerprint"].update(cpu_model="Another CPU", hash="0" * 16)
     foreign = root / "foreign-bench.json"
     foreign.write_text(json.dumps(bench))
