@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from tasks.config import VariantConfig
 from tasks.hashing import folder_sha256
-from tasks.lm_eval_tasks import run_lm_eval, runtime_language_model
+from tasks.lm_eval_tasks import continuation_loglikelihood, run_lm_eval, runtime_language_model
 from tasks.load import BaseModel
 from tasks.optimize import build_variant
 from tasks.runtime import load_runtime
@@ -67,5 +68,7 @@ def test_a_harness_task_runs_end_to_end_on_local_data(runtime, tmp_path):
         "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}],
     }
     results = run_lm_eval(runtime, [task], limit=None)
+    logprob, greedy = continuation_loglikelihood(runtime, "The river walks the", " stone", [])
     assert set(results) == {"tiny_cloze.perplexity", "tiny_cloze.acc"}
-    assert results["tiny_cloze.perplexity"] > 1 and results["tiny_cloze.acc"] in (0.0, 1.0)
+    assert results["tiny_cloze.perplexity"] == pytest.approx(math.exp(-logprob), rel=1e-5)
+    assert results["tiny_cloze.acc"] == float(greedy)

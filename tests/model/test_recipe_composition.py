@@ -77,7 +77,6 @@ def test_float_steps_then_int8_build_reload_and_generate(base, tmp_path, recipe,
     assert manifest.parameters < full
     ids = runtime.encode("The river walks the stone near the garden")
     assert len(runtime.generate([ids], 5, stop_at_eos=False)[0]) == 5
-    assert runtime.score([ids])[0][0] > 0
     curve = "heal_loss" if "prune" in recipe["steps"][0] else "distill_loss"
     assert len(read_manifest(tmp_path / "v").training[curve]) in (3, 4)
     assert not (tmp_path / "v.checkpoint").exists()  # checkpoints go once the variant is complete
