@@ -100,7 +100,7 @@ class TorchRuntime(_HFTokenizer):
             raise ModelSourceError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
         self.model.eval()
         if settings.engine == "deepspeed":
-            self.model = deepspeed_engine(self.model, manifest.dtype, tensor_parallel=1)
+            self.model = deepspeed_engine(self.model, manifest.dtype)
         elif settings.engine == "tensorrt_llm":
             raise TargetError("engine tensorrt_llm needs an NVIDIA GPU target; on cpu use onnx_genai")
         self._options = generation_options(settings, self.model.config.head_dim)
@@ -284,22 +284,17 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def deepspeed_engine(model: Any, dtype: str, tensor_parallel: int) -> Any:
-    """DeepSpeed's inference engine around the model (AutoTP without kernel injection: CPU has no kernels);
-    generate goes through the wrapped module, as DeepSpeed's own examples do."""
+def deepspeed_engine(model: Any, dtype: str) -> Any:
+    """DeepSpeed's inference engine around the model at world size 1 (the target check refuses more ranks on
+    CPU; no kernel injection: CPU has no kernels); generate goes through the wrapped module."""
     import os
 
     import torch
 
-    if tensor_parallel > 1 and not torch.cuda.is_available():
-        raise TargetError("DeepSpeed tensor parallelism over several ranks needs GPU targets; use 1 on cpu")
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
     engine = deepspeed.init_inference(
-        model,
-        dtype=getattr(torch, dtype),
-        replace_with_kernel_inject=False,
-        tensor_parallel={"tp_size": tensor_parallel},
+        model, dtype=getattr(torch, dtype), replace_with_kernel_inject=False, tensor_parallel={"tp_size": 1}
     )
     return engine.module
