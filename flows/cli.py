@@ -138,13 +138,13 @@ def _configure_environment(workdir: Path, debug: bool) -> None:
 def _setup_flow_run(params: Path, debug: bool) -> tuple[Config, Path]:
     """Config, cheap pre-flight checks (before Prefect starts), and Prefect's home folder."""
     config, root = _setup(params, debug)
-    from tasks.load import check_model_source
+    from tasks.inputs.load import check_model_source
     from tasks.targets import check_target
 
     check_target(config)
     check_model_source(config.model)
     if config.evaluate.lm_eval_tasks:
-        from tasks.lm_eval_tasks import require_lm_eval
+        from tasks.measure.lm_eval_adapter import require_lm_eval
 
         require_lm_eval()
     # Prefect's embedded server needs its home folder to exist before it opens its database there.
@@ -186,7 +186,7 @@ class _user_errors:
 
 
 def _print_leaderboard(board) -> None:
-    from tasks.select import table_cells, table_columns
+    from tasks.decide.select import table_cells, table_columns
 
     table = Table(
         title=f"Leaderboard (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} at {board.confidence:.0%} confidence; ★ winner)"

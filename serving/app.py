@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.config import Config
-from tasks.runtime import Runtime
+from tasks.engines import Runtime
 
 
 class CompletionRequest(BaseModel):
@@ -71,9 +71,9 @@ def serve_registered_model(config: Config, root: Path, alias: str, host: str, po
     """Resolve `models:/<name>@<alias>`, load it through the Runtime and serve it with uvicorn."""
     import uvicorn
 
-    from tasks.registry import resolve_alias
-    from tasks.runtime import load_runtime
-    from tasks.tracking import configure_tracking
+    from tasks.decide.registry import resolve_alias
+    from tasks.engines import load_runtime
+    from tasks.report.tracking import configure_tracking
 
     configure_tracking(config.tracking, root)
     with tempfile.TemporaryDirectory(prefix="llmopt-serve-") as scratch:

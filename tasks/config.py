@@ -8,7 +8,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,9 +19,30 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class Strict(BaseModel):
-    """Base for every config section: unknown keys are refused, values are not coerced across types."""
+    """Base for every config section: unknown keys are refused, values are not coerced across types.
+
+    Every default is declared here, once, on its field; code reads the field and never supplies a fallback.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Recipe sections only: fields written into the recipe (and its hash) even when left at their default. Every
+    # other field enters the recipe only when params.yaml sets it, so a new setting (or a default made explicit
+    # in code) changes no existing recipe hash. These lists are frozen: recipe hashes recorded in MLflow and the
+    # registry depend on them.
+    RECORDED_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
+
+    def recipe_data(self) -> dict[str, Any]:
+        """What the user wrote in this section (plus its recorded defaults), as plain JSON data."""
+        names = [n for n in type(self).model_fields if n in self.model_fields_set | self.RECORDED_DEFAULTS]
+        return {name: _plain(getattr(self, name)) for name in names if getattr(self, name) is not None}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Strict):
+        return value.recipe_data()
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
 
 
 class ProjectConfig(Strict):
@@ -119,15 +140,15 @@ QuantizeMethod = Literal[
 
 
 class QuantizeStep(Strict):
-    """Weight quantization; see tasks/quantize.py for what each method stores and runs."""
+    """Weight quantization; see tasks/build/quantize.py for what each method stores and runs."""
 
     method: QuantizeMethod
-    # Method-specific settings; unset (None) means the default in brackets and keeps the recipe (and hash) short.
-    group_size: Literal[32, 64, 128, 192] | None = None  # [64] torchao_int4_weight_only, gptq (576 = 9 × 64)
-    double_quant: bool | None = None  # [true] bnb_nf4 / bnb_fp4: also quantize the scales
-    compute_dtype: Literal["float32", "bfloat16"] | None = None  # [float32] bnb_nf4 / bnb_fp4 matmuls
-    bits: Literal[2, 3, 4, 8] | None = None  # [4] gptq
-    desc_act: bool | None = None  # [false] gptq: quantize columns by decreasing activation order
+    # Method-specific settings; setting one that another method owns is refused.
+    group_size: Literal[32, 64, 128, 192] = 64  # torchao_int4_weight_only, gptq (SmolLM2's 576 = 9 × 64)
+    double_quant: bool = True  # bnb_nf4 / bnb_fp4: also quantize the scales
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bnb_nf4 / bnb_fp4 matmuls
+    bits: Literal[2, 3, 4, 8] = 4  # gptq
+    desc_act: bool = False  # gptq: quantize columns by decreasing activation order
 
     @model_validator(mode="after")
     def _fields_of_the_method(self) -> QuantizeStep:
@@ -138,7 +159,7 @@ class QuantizeStep(Strict):
             "bits": ("gptq",),
             "desc_act": ("gptq",),
         }
-        for name in sorted(name for name in owners if getattr(self, name) is not None):
+        for name in sorted(name for name in owners if name in self.model_fields_set):
             if self.method not in owners[name]:
                 raise ValueError(f"{name} applies to {' / '.join(owners[name])}, not {self.method}")
         return self
@@ -147,6 +168,7 @@ class QuantizeStep(Strict):
 class OnnxGenAIStep(Strict):
     """Export to ONNX Runtime GenAI with its model builder; int4/int8 are weight-only (MatMulNBits) block-wise."""
 
+    RECORDED_DEFAULTS = frozenset({"precision", "block_size", "symmetric", "accuracy_level"})
     precision: Literal["int4", "int8", "fp32"] = "int4"
     block_size: Literal[16, 32, 64, 128, 256] = 32
     symmetric: bool = True
@@ -159,20 +181,17 @@ class PruneStep(Strict):
     removes MLP neurons / grouped-query attention groups, the same number in every layer (smaller matrices)."""
 
     method: Literal["unstructured", "structured"]
-    # Unset (None) means the default in brackets and keeps the recipe short.
-    sparsity: Annotated[float, Field(gt=0.0, lt=1.0)] | None = None  # [0.5] unstructured: share zeroed
-    scope: Literal["global", "layer"] | None = None  # [global] unstructured: one threshold, or one per layer
-    mlp_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None  # [0.25] structured: neurons removed
-    head_groups: Annotated[int, Field(ge=0)] | None = (
-        None  # [0] structured: KV groups (KV head + its queries)
+    sparsity: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5  # unstructured: share of weights zeroed
+    scope: Literal["global", "layer"] = "global"  # unstructured: one threshold, or one per layer
+    # structured: share of MLP neurons and number of KV groups (KV head + its queries) removed in every layer.
+    # Both default to 0 (remove nothing) and at least one must be set: how much to cut is the user's call.
+    mlp_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    head_groups: Annotated[int, Field(ge=0)] = 0
+    importance: Literal["magnitude", "activation"] = (
+        "activation"  # structured: activations on calibration text
     )
-    importance: Literal["magnitude", "activation"] | None = (
-        None  # [activation] structured: on calibration text
-    )
-    heal_steps: Annotated[int, Field(ge=0, le=100_000)] | None = (
-        None  # [0] fine-tune on the calibration split
-    )
-    heal_lr: Annotated[float, Field(gt=0.0, le=1.0)] | None = None  # [5e-5]
+    heal_steps: Annotated[int, Field(ge=0, le=100_000)] = 0  # fine-tune on the calibration split afterwards
+    heal_lr: Annotated[float, Field(gt=0.0, le=1.0)] = 5e-5
 
     @model_validator(mode="after")
     def _fields_of_the_method(self) -> PruneStep:
@@ -181,7 +200,7 @@ class PruneStep(Strict):
             "structured": ("mlp_fraction", "head_groups", "importance"),
         }
         other = "structured" if self.method == "unstructured" else "unstructured"
-        foreign = [name for name in own[other] if getattr(self, name) is not None]
+        foreign = [name for name in own[other] if name in self.model_fields_set]
         if foreign:
             raise ValueError(f"{foreign[0]} does not apply to method {self.method}")
         if self.method == "structured" and not (self.mlp_fraction or self.head_groups):
@@ -192,10 +211,12 @@ class PruneStep(Strict):
 class DistillStep(Strict):
     """Knowledge distillation into a shallower student (every k-th layer kept), KL on teacher logits + CE."""
 
-    keep_every: Annotated[int, Field(ge=2, le=64)] | None = None  # keep layers 0, k, 2k, … and the last [2]
-    layers: Annotated[int, Field(ge=2)] | None = (
-        None  # or: this many layers, evenly spaced from first to last
+    RECORDED_DEFAULTS = frozenset(
+        {"steps", "max_seconds", "lr", "temperature", "alpha", "batch_size", "sequence_tokens"}
+        | {"checkpoint_every", "seed"}
     )
+    keep_every: Annotated[int, Field(ge=2, le=64)] = 2  # keep layers 0, k, 2k, … and the last ...
+    layers: Annotated[int, Field(ge=2)] | None = None  # ... or, when set, this many layers evenly spaced
     steps: Annotated[int, Field(ge=1, le=1_000_000)] = 200
     max_seconds: Annotated[float, Field(gt=0)] = 600.0  # wall-clock bound; a later run resumes the checkpoint
     lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
@@ -210,9 +231,13 @@ class DistillStep(Strict):
 
     @model_validator(mode="after")
     def _one_depth_rule(self) -> DistillStep:
-        if self.keep_every is not None and self.layers is not None:
+        if "keep_every" in self.model_fields_set and self.layers is not None:
             raise ValueError("set keep_every or layers, not both")
         return self
+
+    def student_depth(self) -> tuple[int | None, int | None]:
+        """(keep_every, layers) for `build_student`: exactly one of them is set."""
+        return (None, self.layers) if self.layers is not None else (self.keep_every, None)
 
 
 class Step(Strict):
@@ -236,19 +261,20 @@ class Step(Strict):
 
 
 class RuntimeSettings(Strict):
-    """How the variant runs (not its weights); unset (None) means the engine's default, and keeps recipe hashes."""
+    """How the variant runs (not its weights). Everything but dtype applies to the torch engine only."""
 
+    RECORDED_DEFAULTS = frozenset({"dtype"})
     dtype: Dtype = "float32"
-    attention: Literal["sdpa", "eager", "flash_attention_2"] | None = None  # torch engine; default sdpa
-    kv_cache: Literal["dynamic", "static", "quantized"] | None = None  # default dynamic (grows with the text)
-    kv_cache_bits: Literal[2, 4] | None = None  # quantized KV cache (quanto backend); default 4
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    kv_cache: Literal["dynamic", "static", "quantized"] = "dynamic"  # dynamic: grows with the text
+    kv_cache_bits: Literal[2, 4] = 4  # kv_cache: quantized (quanto backend)
     sliding_window: Annotated[int, Field(ge=8)] | None = None  # attend to (and cache) only the last N tokens
-    threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # default target.threads
-    engine: Literal["torch", "deepspeed", "tensorrt_llm"] | None = None  # default torch (eager transformers)
+    threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # None: target.threads
+    engine: Literal["torch", "deepspeed", "tensorrt_llm"] = "torch"  # torch: eager transformers
 
     @model_validator(mode="after")
     def _settings_agree(self) -> RuntimeSettings:
-        if self.kv_cache_bits is not None and self.kv_cache != "quantized":
+        if "kv_cache_bits" in self.model_fields_set and self.kv_cache != "quantized":
             raise ValueError("kv_cache_bits applies only with kv_cache: quantized")
         if self.sliding_window is not None and self.kv_cache == "static":
             raise ValueError("sliding_window bounds the cache itself; leave kv_cache at dynamic or quantized")
@@ -257,10 +283,11 @@ class RuntimeSettings(Strict):
     def torch_only(self) -> list[str]:
         """Settings that the torch engines honour and ONNX Runtime GenAI does not."""
         names = ("attention", "kv_cache", "kv_cache_bits", "sliding_window", "engine")
-        return [name for name in names if getattr(self, name) is not None]
+        return [name for name in names if name in self.model_fields_set]
 
 
 class VariantConfig(Strict):
+    RECORDED_DEFAULTS = frozenset({"steps", "runtime"})
     steps: list[Step] = []
     runtime: RuntimeSettings = RuntimeSettings()
 
@@ -290,8 +317,8 @@ class VariantConfig(Strict):
         return self
 
     def recipe(self) -> dict[str, Any]:
-        """The recipe as plain data, unset step kinds left out (adding a technique changes no existing hash)."""
-        return self.model_dump(mode="json", exclude_none=True)
+        """The recipe as the user wrote it, as plain data (see `Strict.RECORDED_DEFAULTS`)."""
+        return self.recipe_data()
 
     def recipe_hash(self) -> str:
         """Content hash of the recipe: same recipe, same hash, whatever the variant is called."""

@@ -22,7 +22,7 @@ class DataValidationError(LlmoptError):
 
 
 class GateError(LlmoptError):
-    """A promotion gate refused a model version."""
+    """A promotion gate refused a model version (a verdict, not a fault: the measurements were sound)."""
 
 
 class RegistryError(LlmoptError):
@@ -34,4 +34,5 @@ class TargetError(LlmoptError):
 
 
 class ComparisonError(LlmoptError):
-    """Two results that must not be compared (measured on different machines or software)."""
+    """Measurements that cannot be compared: taken on different machines or software, on different evaluation
+    windows or items, or missing for the reference they are compared with."""

@@ -3,9 +3,9 @@
 import pytest
 
 from tasks.config import DataConfig
-from tasks.data import prepare_data
 from tasks.errors import DataValidationError
 from tasks.expectations import validate_corpus_splits
+from tasks.inputs.data import prepare_data
 
 GOOD = {"calibration": ["alpha beta gamma delta"], "evaluation": ["epsilon zeta eta theta"]}
 

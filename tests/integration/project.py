@@ -86,6 +86,7 @@ def make_project(root: Path, params: dict, with_dvc: bool = True) -> Path:
         run(root, "git", "config", "user.email", "ci@llmopt.invalid")
         run(root, "git", "config", "user.name", "llmopt tests")
         run(root, "dvc", "init", "-q")
+        shutil.copy(REPO / ".dvcignore", root / ".dvcignore")
         run(root, "dvc", "config", "core.analytics", "false")
         run(root, "dvc", "remote", "add", "-d", "local", str(root.parent / "dvc-remote"))
         run(root, "git", "add", "-A")

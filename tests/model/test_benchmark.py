@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.benchmark import (
+from tasks.config import BenchmarkConfig
+from tasks.measure.benchmark import (
     BatchSpeed,
     BenchmarkResult,
     benchmark_in_fresh_process,
@@ -19,18 +20,6 @@ from tasks.benchmark import (
     trial_spread,
     weight_bytes,
 )
-from tasks.config import BenchmarkConfig, VariantConfig
-from tasks.hashing import folder_sha256
-from tasks.load import BaseModel
-from tasks.optimize import build_variant
-
-
-@pytest.fixture(scope="module")
-def variant_dir(tiny_model_dir, tmp_path_factory):
-    base = BaseModel(tiny_model_dir, folder_sha256(tiny_model_dir), "tiny")
-    folder = tmp_path_factory.mktemp("bench") / "baseline"
-    build_variant("baseline", VariantConfig(), base, "d", folder)
-    return folder
 
 
 def test_decode_rate_excludes_the_first_token():
@@ -59,7 +48,7 @@ def test_roofline_fraction_is_speed_times_bytes_over_bandwidth():
     assert percentiles([float(v) for v in range(101)]) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
 
 
-def test_fresh_process_reports_its_own_peak_memory_not_the_parents(variant_dir):
+def test_fresh_process_reports_its_own_peak_memory_not_the_parents(baseline_dir):
     ballast = np.ones(800 * 2**20 // 8)  # 800 MB resident in this (parent) process
     cfg = BenchmarkConfig(
         prompt_tokens=8,
@@ -71,7 +60,7 @@ def test_fresh_process_reports_its_own_peak_memory_not_the_parents(variant_dir):
         warmup=0,
         repeats=2,
     )
-    result = benchmark_in_fresh_process(variant_dir, cfg, "The river walks the stone.", threads=1)
+    result = benchmark_in_fresh_process(baseline_dir, cfg, "The river walks the stone.", threads=1)
     del ballast  # kept alive until the child has finished
     assert 50 < result.peak_rss_mb < 700
     assert result.prompt_tokens == 8 and result.new_tokens == 4
@@ -80,7 +69,7 @@ def test_fresh_process_reports_its_own_peak_memory_not_the_parents(variant_dir):
     assert result.batches[0].decode_tok_s == result.decode_tok_s
     assert sorted(result.ttft_ms_by_prompt) == [4, 16] and len(result.latency_ms_runs) == 5
     assert result.latency_ms == percentiles(result.latency_ms_runs)
-    assert result.weight_bytes == (variant_dir / "model.safetensors").stat().st_size
+    assert result.weight_bytes == (baseline_dir / "model.safetensors").stat().st_size
     assert (
         result.decode_read_bytes == result.weight_bytes
     )  # tied embeddings: the output layer reads them whole

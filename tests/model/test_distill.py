@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tasks.distill import CHECKPOINT_FILE, DistillSettings, build_student, distill, student_layers
+from tasks.build.distill import CHECKPOINT_FILE, DistillSettings, build_student, distill, student_layers
 from tests.factories import synthetic_sentences
 
 SETTINGS = DistillSettings(

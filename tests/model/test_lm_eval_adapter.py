@@ -1,4 +1,5 @@
-"""The lm-evaluation-harness adapter answers through the Runtime, and a harness task runs end to end offline."""
+"""The lm-evaluation-harness adapter keeps the harness's contract: its loglikelihoods equal those of the harness's
+own Hugging Face model class on the same model, and a harness task runs end to end offline."""
 
 from __future__ import annotations
 
@@ -8,22 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import VariantConfig
-from tasks.hashing import folder_sha256
-from tasks.lm_eval_tasks import continuation_loglikelihood, run_lm_eval, runtime_language_model
-from tasks.load import BaseModel
-from tasks.optimize import build_variant
-from tasks.runtime import load_runtime
+from tasks.measure.lm_eval_adapter import continuation_loglikelihood, run_lm_eval, runtime_language_model
 
 pytest.importorskip("lm_eval")  # a dev dependency; the adapter itself is optional for users
 
-
-@pytest.fixture(scope="module")
-def runtime(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    base = BaseModel(tiny_model_dir, folder_sha256(tiny_model_dir), "tiny")
-    folder = tmp_path_factory.mktemp("harness") / "baseline"
-    build_variant("baseline", VariantConfig(), base, "d", folder)
-    return load_runtime(folder, threads=1)
+MAX_LENGTH = 24  # short windows, so rolling log-likelihoods need several (and a partial last one)
+PAIRS = [
+    ("The river walks the", " stone"),
+    ("The river walks the ", "stone near the garden"),  # trailing space: moves into the continuation
+    ("", "The train finds the book"),  # empty context: the prefix token stands in
+    ("Near the garden 12, the", " teacher reads the letter."),
+]
+TEXT = "Near the garden 12, the river walks the stone. " * 6
 
 
 def request(kind: str, *arguments):
@@ -32,20 +29,41 @@ def request(kind: str, *arguments):
     return Instance(request_type=kind, doc={}, arguments=arguments, idx=0)
 
 
-def test_loglikelihood_is_the_runtime_score_of_the_continuation_and_greedy_is_checked(runtime):
-    context, continuation = "The river walks the stone near the", " garden"
-    model = runtime_language_model(runtime)
-    ((logprob, greedy),) = model.loglikelihood([request("loglikelihood", context, continuation)])
-    ctx, cont = runtime.encode(context), runtime.encode(continuation)
-    ((whole, _),), ((head, _),) = runtime.score([ctx + cont]), runtime.score([ctx])
-    assert logprob == pytest.approx(head - whole) and logprob < 0
-    assert greedy == (runtime.generate([ctx], len(cont), stop_at_eos=False)[0] == cont)
+@pytest.fixture(scope="module")
+def harness_model(baseline_dir: Path):
+    """lm-eval's own HFLM on the same weights: the reference the adapter must agree with."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(
+        pretrained=str(baseline_dir), backend="causal", max_length=MAX_LENGTH, batch_size=1, device="cpu"
+    )
 
 
-def test_generate_until_stops_before_the_stop_string(runtime):
-    model = runtime_language_model(runtime)
+def test_loglikelihoods_equal_the_harness_hugging_face_model(baseline_runtime, harness_model):
+    adapter = runtime_language_model(baseline_runtime, max_length=MAX_LENGTH)
+    requests = [request("loglikelihood", *pair) for pair in PAIRS]
+    ours, theirs = adapter.loglikelihood(requests), harness_model.loglikelihood(requests)
+    for (logprob, greedy), (expected, expected_greedy) in zip(ours, theirs, strict=True):
+        assert logprob == pytest.approx(expected, abs=1e-4) and logprob < 0
+        assert greedy == expected_greedy
+
+
+def test_rolling_loglikelihood_uses_the_harness_windows(baseline_runtime, harness_model):
+    assert len(baseline_runtime.encode(TEXT)) > 3 * MAX_LENGTH  # several windows, the last one partial
+    adapter = runtime_language_model(baseline_runtime, max_length=MAX_LENGTH)
+    (ours,) = adapter.loglikelihood_rolling([request("loglikelihood_rolling", TEXT)])
+    (theirs,) = harness_model.loglikelihood_rolling([request("loglikelihood_rolling", TEXT)])
+    assert ours == pytest.approx(theirs, abs=1e-3)
+
+
+def test_default_window_leaves_room_for_the_scored_token(baseline_runtime):
+    assert runtime_language_model(baseline_runtime).max_length == baseline_runtime.context_length - 1
+
+
+def test_generate_until_stops_before_the_stop_string(baseline_runtime):
+    model = runtime_language_model(baseline_runtime)
     full = model.generate_until([request("generate_until", "The river", {"max_gen_toks": 12})])[0]
-    assert full and len(runtime.encode(full)) <= 12
+    assert full and len(baseline_runtime.encode(full)) <= 12
     stop = full.strip()[:2]
     (cut,) = model.generate_until(
         [request("generate_until", "The river", {"until": [stop], "max_gen_toks": 12})]
@@ -53,10 +71,10 @@ def test_generate_until_stops_before_the_stop_string(runtime):
     assert stop not in cut and full.startswith(cut)
 
 
-def test_a_harness_task_runs_end_to_end_on_local_data(runtime, tmp_path):
+def test_a_harness_task_runs_end_to_end_on_local_data(baseline_runtime, tmp_path):
     rows = [{"context": "The river walks the", "target": " stone"} for _ in range(4)]
     data = tmp_path / "cloze.jsonl"
-    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = {
         "task": "tiny_cloze",
         "dataset_path": "json",
@@ -67,8 +85,10 @@ def test_a_harness_task_runs_end_to_end_on_local_data(runtime, tmp_path):
         "doc_to_target": "{{target}}",
         "metric_list": [{"metric": "perplexity"}, {"metric": "acc"}],
     }
-    results = run_lm_eval(runtime, [task], limit=None)
-    logprob, greedy = continuation_loglikelihood(runtime, "The river walks the", " stone", [])
+    results = run_lm_eval(baseline_runtime, [task], limit=None)
+    ids = baseline_runtime.encode("The river walks the stone")
+    context = baseline_runtime.encode("The river walks the")
+    logprob, greedy = continuation_loglikelihood(baseline_runtime, context, ids[len(context) :])
     assert set(results) == {"tiny_cloze.perplexity", "tiny_cloze.acc"}
     assert results["tiny_cloze.perplexity"] == pytest.approx(math.exp(-logprob), rel=1e-5)
     assert results["tiny_cloze.acc"] == float(greedy)

@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from tasks.build.optimize import build_variant
 from tasks.config import VariantConfig
+from tasks.engines import load_runtime
+from tasks.engines.manifest import read_manifest
 from tasks.errors import ConfigError, ModelSourceError
-from tasks.hashing import folder_sha256
-from tasks.load import BaseModel
-from tasks.manifest import read_manifest
-from tasks.optimize import build_variant
-from tasks.runtime import load_runtime
+from tasks.inputs.load import PreparedBase
+from tasks.storage import folder_sha256
 from tests.factories import synthetic_sentences
 
 PRUNE_THEN_INT8 = {
@@ -40,7 +40,7 @@ DISTILL_THEN_INT8 = {
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> BaseModel:
+def base(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> PreparedBase:
     """The tiny model with 4 layers, so that distillation has layers to drop."""
     folder = tmp_path_factory.mktemp("four-layers")
     config = LlamaConfig.from_pretrained(tiny_model_dir)
@@ -48,7 +48,7 @@ def base(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Base
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
-    return BaseModel(folder, folder_sha256(folder), "four-layers")
+    return PreparedBase(folder, folder_sha256(folder), "four-layers")
 
 
 def test_pruned_model_exports_to_onnx_and_scores_like_its_torch_twin(base, tmp_path):

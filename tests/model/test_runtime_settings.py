@@ -3,16 +3,14 @@ what they claim."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from tasks.build.optimize import build_variant
 from tasks.config import VariantConfig
-from tasks.hashing import folder_sha256
-from tasks.load import BaseModel
-from tasks.optimize import build_variant
-from tasks.runtime import generation_options, kv_cache_bytes, load_runtime, runtime_settings
+from tasks.engines import load_runtime
+from tasks.engines.pytorch import generation_options, kv_cache_bytes
+from tasks.inputs.load import PreparedBase
 
 SETTINGS = {
     "baseline": {},
@@ -27,8 +25,8 @@ TEXT = "The river walks the stone near the garden 12. The train finds the book n
 
 
 @pytest.fixture(scope="module")
-def runtimes(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    base = BaseModel(tiny_model_dir, folder_sha256(tiny_model_dir), "tiny")
+def runtimes(tiny_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tiny_base
     root = tmp_path_factory.mktemp("runtime-settings")
     for name, runtime in SETTINGS.items():
         build_variant(name, VariantConfig.model_validate({"runtime": runtime}), base, "d", root / name)
@@ -53,7 +51,7 @@ def test_quantized_kv_cache_holds_fewer_bytes_than_the_full_precision_cache(runt
     sizes = {}
     for name in ("baseline", "kv4", "kv2"):
         model = runtimes[name].model
-        options = generation_options(runtime_settings(runtimes[name].manifest), model.config.head_dim)
+        options = generation_options(runtimes[name].manifest.runtime_settings(), model.config.head_dim)
         with torch.no_grad():
             out = model.generate(
                 input_ids=torch.tensor([ids]),

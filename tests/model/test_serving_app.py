@@ -4,19 +4,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from serving.app import create_app
-from tasks.config import VariantConfig
-from tasks.hashing import folder_sha256
-from tasks.load import BaseModel
-from tasks.optimize import build_variant
-from tasks.runtime import load_runtime
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, tmp_path_factory):
-    base = BaseModel(tiny_model_dir, folder_sha256(tiny_model_dir), "tiny")
-    folder = tmp_path_factory.mktemp("serve") / "baseline"
-    build_variant("baseline", VariantConfig(), base, "d", folder)
-    return TestClient(create_app(load_runtime(folder, threads=1), "tiny", "3", max_new_tokens=8))
+def client(baseline_runtime):
+    return TestClient(create_app(baseline_runtime, "tiny", "3", max_new_tokens=8))
 
 
 def test_completion_follows_the_openai_shape_and_caps_tokens(client):

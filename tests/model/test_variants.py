@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks.build.optimize import build_variant
 from tasks.config import EvaluateConfig, QuantizeMethod, VariantConfig
+from tasks.engines import load_runtime
+from tasks.engines.manifest import read_manifest
 from tasks.errors import DataValidationError
-from tasks.evaluate import evaluate_perplexity, evaluate_variant
-from tasks.hashing import folder_sha256
-from tasks.load import BaseModel
-from tasks.manifest import read_manifest
-from tasks.optimize import build_variant
-from tasks.runtime import load_runtime
+from tasks.inputs.load import PreparedBase
+from tasks.measure.evaluate import evaluate_perplexity, evaluate_variant
+from tasks.storage import folder_sha256
 from tests.factories import synthetic_sentences
 
 RECIPES = {
@@ -60,15 +60,12 @@ CALIBRATION = [" ".join(synthetic_sentences(20, seed=seed)) for seed in range(3)
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model_dir: Path) -> BaseModel:
-    return BaseModel(tiny_model_dir, folder_sha256(tiny_model_dir), str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def variants(base: BaseModel, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def variants(tiny_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("variants")
     for name, recipe in RECIPES.items():
-        build_variant(name, VariantConfig.model_validate(recipe), base, "data-hash", root / name, CALIBRATION)
+        build_variant(
+            name, VariantConfig.model_validate(recipe), tiny_base, "data-hash", root / name, CALIBRATION
+        )
     return {name: root / name for name in RECIPES}
 
 
@@ -152,15 +149,15 @@ def test_manifest_records_recipe_sizes_and_hashes(variants):
     assert len({fp32.build_key, bf16.build_key, int8.build_key}) == 3
 
 
-def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(base, variants):
+def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(tiny_base, variants):
     folder = variants["bf16"]
     recipe = VariantConfig.model_validate(RECIPES["bf16"])
     weights = folder / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert build_variant("bf16", recipe, base, "data-hash", folder) == read_manifest(folder)
+    assert build_variant("bf16", recipe, tiny_base, "data-hash", folder) == read_manifest(folder)
     assert weights.stat().st_mtime_ns == stamp
     weights.write_bytes(b"corrupted")
-    rebuilt = build_variant("bf16", recipe, base, "data-hash", folder)
+    rebuilt = build_variant("bf16", recipe, tiny_base, "data-hash", folder)
     assert folder_sha256(folder, exclude=("manifest.json",)) == rebuilt.content_hash
     assert load_runtime(folder, threads=1).score([[1, 2, 3]])[0][1] == 2
 

@@ -1,9 +1,20 @@
+import json
 import typing
 from pathlib import Path
 
 import pytest
 
-from tasks.config import Config, QuantizeMethod, VariantConfig, load_config
+from tasks.config import (
+    Config,
+    DistillStep,
+    OnnxGenAIStep,
+    PruneStep,
+    QuantizeMethod,
+    QuantizeStep,
+    RuntimeSettings,
+    VariantConfig,
+    load_config,
+)
 from tasks.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,6 +147,33 @@ def test_runtime_settings_that_cannot_apply_are_refused(tmp_path, variant, messa
 
 def test_unset_runtime_settings_keep_existing_recipe_hashes():
     assert VariantConfig().recipe() == {"steps": [], "runtime": {"dtype": "float32"}}
+
+
+RECORDED = json.loads((Path(__file__).with_name("recipe_hashes_69b38b0.json")).read_text())
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_recipe_hashes_equal_those_recorded_before_defaults_moved_onto_the_config(name):
+    """Hashes recorded at commit 69b38b0 (defaults as `None` + fallbacks in the code) for every variant of
+    params.full.yaml and recipes that leave step defaults unset or spell them out."""
+    assert VariantConfig.model_validate(RECORDED[name]["recipe"]).recipe_hash() == RECORDED[name]["hash"]
+
+
+def test_spelling_out_a_default_is_part_of_the_recipe_but_builds_the_same_settings():
+    implicit = VariantConfig.model_validate({"steps": [{"prune": {"method": "unstructured"}}]})
+    explicit = VariantConfig.model_validate(
+        {"steps": [{"prune": {"method": "unstructured", "sparsity": 0.5, "scope": "global"}}]}
+    )
+    assert implicit.recipe_hash() != explicit.recipe_hash()  # the hash is of what the user wrote
+    assert implicit.steps[0].prune == explicit.steps[0].prune  # the same settings either way
+    assert (implicit.steps[0].prune.sparsity, implicit.steps[0].prune.scope) == (0.5, "global")
+
+
+def test_step_defaults_are_declared_on_the_config_models_and_none_only_means_off():
+    sections = (QuantizeStep, OnnxGenAIStep, PruneStep, DistillStep, RuntimeSettings)
+    nullable = {f"{c.__name__}.{n}" for c in sections for n, f in c.model_fields.items() if f.default is None}
+    # a student depth by layer count (else keep_every), no sliding window, threads from target.threads
+    assert nullable == {"DistillStep.layers", "RuntimeSettings.sliding_window", "RuntimeSettings.threads"}
 
 
 def test_a_setting_of_another_quantization_method_is_refused(tmp_path):

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from tasks.config import DataConfig
-from tasks.data import cut_passages, detag_brown, detokenize, read_local, split_passages, write_splits
 from tasks.errors import DataValidationError
+from tasks.inputs.data import cut_passages, detag_brown, detokenize, read_local, split_passages, write_splits
 
 
 def test_brown_tags_are_stripped_and_punctuation_reattached():

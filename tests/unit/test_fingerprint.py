@@ -1,7 +1,7 @@
 import pytest
 
 from tasks.errors import ComparisonError
-from tasks.fingerprint import ensure_comparable, fingerprint_hash, machine_fingerprint
+from tasks.measure.fingerprint import ensure_comparable, fingerprint_hash, machine_fingerprint
 
 
 def test_same_machine_compares_and_a_code_change_does_not_matter():

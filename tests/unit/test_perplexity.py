@@ -3,7 +3,7 @@ import math
 import pytest
 
 from tasks.config import EvaluateConfig
-from tasks.evaluate import (
+from tasks.measure.evaluate import (
     cloze_accuracy,
     cloze_items,
     evaluate_perplexity,

@@ -1,8 +1,8 @@
 from dataclasses import replace
 
 from tasks.config import SelectConfig
-from tasks.plots import speed_plot, tradeoff_plot
-from tasks.select import build_leaderboard
+from tasks.decide.select import build_leaderboard
+from tasks.report.plots import speed_plot, tradeoff_plot
 from tests.unit.test_select import score
 
 

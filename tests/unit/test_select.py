@@ -3,8 +3,8 @@ import math
 import pytest
 
 from tasks.config import SelectConfig
-from tasks.registry import gate_verdict
-from tasks.select import VariantScore, build_leaderboard
+from tasks.decide.registry import gate_verdict
+from tasks.decide.select import VariantScore, build_leaderboard
 
 TOKENS = (100,) * 8
 BASE_NLL = tuple(

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from tasks.errors import GateError
-from tasks.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
+from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
+from tasks.errors import ComparisonError
 
 TOKENS = [255] * 16
 
@@ -51,7 +51,7 @@ def test_same_seed_same_interval_and_wider_at_higher_confidence():
 
 
 def test_windows_that_do_not_pair_are_refused():
-    with pytest.raises(GateError, match="cannot pair"):
+    with pytest.raises(ComparisonError, match="cannot pair"):
         paired_bootstrap_ppl_ratio([1.0], [10], [1.0], [11], resamples=10, confidence=0.9, seed=0)
 
 
@@ -69,5 +69,5 @@ def test_mcnemar_of_identical_answers_or_balanced_disagreement_is_one():
 
 
 def test_mcnemar_refuses_unpaired_items():
-    with pytest.raises(GateError, match="cannot pair"):
+    with pytest.raises(ComparisonError, match="cannot pair"):
         mcnemar_exact([True], [True, False])

@@ -8,8 +8,11 @@ import json
 from dataclasses import asdict, dataclass
 
 from tasks.config import SelectConfig
-from tasks.errors import GateError
-from tasks.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
+from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
+from tasks.engines.manifest import VariantManifest
+from tasks.errors import ComparisonError
+from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
+from tasks.measure.evaluate import VariantEvaluation
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,34 @@ class VariantScore:
     def top_batch(self) -> tuple[int, float]:
         """(largest measured batch size, its aggregate decode tok/s)."""
         return max(self.batch_decode_tok_s, default=(1, self.decode_tok_s))
+
+
+def variant_score(
+    name: str,
+    manifest: VariantManifest,
+    evaluation: VariantEvaluation,
+    bench: BenchmarkResult,
+    bandwidth_gbs: float,
+) -> VariantScore:
+    """The leaderboard row of one measured variant."""
+    return VariantScore(
+        variant=name,
+        perplexity=evaluation.perplexity.perplexity,
+        token_agreement=evaluation.agreement.token_agreement,
+        cloze_accuracy=evaluation.cloze.accuracy,
+        cloze_correct=tuple(evaluation.cloze.correct),
+        decode_tok_s=bench.decode_tok_s,
+        ttft_ms=bench.ttft_ms,
+        size_bytes=manifest.size_bytes,
+        peak_rss_mb=bench.peak_rss_mb,
+        parameters=manifest.parameters,
+        window_nll=tuple(evaluation.perplexity.window_nll),
+        window_tokens=tuple(evaluation.perplexity.window_tokens),
+        batch_decode_tok_s=tuple((b.batch_size, b.decode_tok_s) for b in bench.batches),
+        ttft_ms_by_prompt=tuple(sorted(bench.ttft_ms_by_prompt.items())),
+        latency_p95_ms=bench.latency_ms["p95"],
+        roofline_fraction=roofline_fraction(bench.decode_tok_s, bench.decode_read_bytes, bandwidth_gbs),
+    )
 
 
 @dataclass(frozen=True)
@@ -164,7 +195,7 @@ def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderbo
     """
     by_name = {s.variant: s for s in scores}
     if cfg.baseline not in by_name:
-        raise GateError(f"select: baseline {cfg.baseline!r} has no measurements")
+        raise ComparisonError(f"select: baseline {cfg.baseline!r} has no measurements")
     base = by_name[cfg.baseline]
     rows = [_row(s, base, cfg) for s in sorted(scores, key=lambda s: s.decode_tok_s, reverse=True)]
     winner = next(row.score.variant for row in rows if row.within_budget)

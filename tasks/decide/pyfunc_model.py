@@ -5,14 +5,14 @@ from pathlib import Path
 import mlflow.models
 import mlflow.pyfunc
 
-from tasks.registry import VARIANT_ARTIFACT
+from tasks.decide.registry import VARIANT_ARTIFACT
 
 
 class LlmoptVariantModel(mlflow.pyfunc.PythonModel):
     """Loads the variant through the project Runtime; predict maps prompts to greedy completions."""
 
     def load_context(self, context):
-        from tasks.runtime import load_runtime
+        from tasks.engines import load_runtime
 
         self.runtime = load_runtime(Path(context.artifacts[VARIANT_ARTIFACT]), threads=2)
 

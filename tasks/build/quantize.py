@@ -1,7 +1,7 @@
 """quantize: weight quantization backends behind one step (torch, torchao, optimum-quanto, bitsandbytes).
 
 Each backend is imported only inside the function that needs it (their imports take 3–6 s). Artifacts use the
-library's own serialization: torchao and bitsandbytes through transformers (`quantization_config` in config.json,
+library's own serialization (loaded back by `tasks.engines.torch_weights`): torchao and bitsandbytes through transformers (`quantization_config` in config.json,
 reloaded by `from_pretrained`), quanto as its state dict plus `quantization_map.json` (reloaded by `requantize`).
 GPTQ needs gptqmodel's CUDA kernels; on a cpu target the target check refuses it before any work starts.
 """
@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import json
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 from tasks.config import QuantizeStep
-
-TORCH_DYNAMIC = "torch-dynamic-int8"  # weights formats, as recorded in the manifest
-TRANSFORMERS_QUANTIZED = "hf-quantized"
-QUANTO = "quanto"
-QUANTO_MAP_FILE = "quantization_map.json"
+from tasks.engines.torch_weights import (
+    QUANTO,
+    QUANTO_MAP_FILE,
+    TORCH_DYNAMIC,
+    TORCH_DYNAMIC_FILE,
+    TRANSFORMERS_QUANTIZED,
+    quantize_dynamic_int8,
+)
 
 NOTES = {
     "torch_dynamic_int8": "int8 per-channel weights, int8 activations quantized per batch (W8A8 dynamic)",
@@ -34,20 +36,6 @@ NOTES = {
     "bnb_fp4": "bitsandbytes 4-bit float weights",
     "bnb_int8": "bitsandbytes LLM.int8() (int8 weights, outlier features in 16-bit)",
 }
-
-
-def quantize_dynamic_int8(model: Any) -> Any:
-    """int8 per-output-channel weights, activations quantized per batch at run time, for every nn.Linear.
-
-    Per-channel weight scales: on SmolLM2 they cut the perplexity damage of per-tensor scales by ~15 %.
-    """
-    import torch
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", UserWarning)
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
 def quantize_model(model: Any, step: QuantizeStep, calibration: list[list[int]]) -> tuple[Any, str]:
@@ -73,8 +61,8 @@ def transformers_quantization_config(step: QuantizeStep) -> Any:
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type=step.method.removeprefix("bnb_"),
-            bnb_4bit_use_double_quant=step.double_quant is not False,
-            bnb_4bit_compute_dtype=getattr(torch, step.compute_dtype or "float32"),
+            bnb_4bit_use_double_quant=step.double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, step.compute_dtype),
         )
     from torchao.quantization import (
         Int8DynamicActivationInt8WeightConfig,
@@ -88,7 +76,7 @@ def transformers_quantization_config(step: QuantizeStep) -> Any:
         "torchao_int8_weight_only": Int8WeightOnlyConfig,
         "torchao_int8_dynamic": Int8DynamicActivationInt8WeightConfig,
         "torchao_int4_weight_only": lambda: IntxWeightOnlyConfig(
-            weight_dtype=torch.int4, granularity=PerGroup(step.group_size or 64)
+            weight_dtype=torch.int4, granularity=PerGroup(step.group_size)
         ),
     }
     return TorchAoConfig(configs[step.method]())
@@ -135,7 +123,7 @@ def save_quantized(model: Any, weights_format: str, dest: Path) -> None:
     model.config.save_pretrained(dest)
     model.generation_config.save_pretrained(dest)
     if weights_format == TORCH_DYNAMIC:
-        torch.save(model.state_dict(), dest / "model-dynamic-int8.pt")
+        torch.save(model.state_dict(), dest / TORCH_DYNAMIC_FILE)
         return
     from optimum.quanto import quantization_map
     from safetensors.torch import save_file
@@ -148,32 +136,3 @@ def save_quantized(model: Any, weights_format: str, dest: Path) -> None:
         ]  # tied (left float): safetensors refuses shared tensors; re-tied when loaded
     save_file(state, dest / "model.safetensors")
     (dest / QUANTO_MAP_FILE).write_text(json.dumps(quantization_map(model), indent=1, sort_keys=True))
-
-
-def load_quantized(folder: Path, weights_format: str) -> Any:
-    """Rebuild a quantized model saved by `save_quantized`."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    if weights_format == TRANSFORMERS_QUANTIZED:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=False)
-    # A real (not meta) skeleton: non-persistent buffers such as rotary frequencies are not in the state dict.
-    with no_init_weights():
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
-    if weights_format == TORCH_DYNAMIC:
-        model = quantize_dynamic_int8(skeleton)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch's TypedStorage notice for quantized tensors
-            state = torch.load(folder / "model-dynamic-int8.pt", weights_only=True)
-        model.load_state_dict(state, strict=True)
-        return model
-    from optimum.quanto import requantize
-    from safetensors.torch import load_file
-
-    quantization = json.loads((folder / QUANTO_MAP_FILE).read_text())
-    state = load_file(folder / "model.safetensors")
-    requantize(skeleton, state, quantization, device=torch.device("cpu"))
-    if not any(key.startswith("lm_head.") for key in state):  # saved tied: share the embeddings again
-        skeleton.get_output_embeddings().weight = skeleton.get_input_embeddings().weight
-    return skeleton

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tasks.errors import GateError
+from tasks.errors import ComparisonError
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,12 @@ def paired_bootstrap_ppl_ratio(
     narrower than comparing two independent perplexities.
     """
     if list(base_tokens) != list(variant_tokens):
-        raise GateError("cannot pair perplexities: the variant scored different windows than the baseline")
+        raise ComparisonError(
+            "cannot pair perplexities: the variant scored different windows than the baseline"
+        )
     base, variant, tokens = (np.asarray(x, dtype=np.float64) for x in (base_nll, variant_nll, base_tokens))
     if len(tokens) == 0:
-        raise GateError("cannot compare perplexities: no evaluation windows")
+        raise ComparisonError("cannot compare perplexities: no evaluation windows")
     point = float(np.exp(variant.sum() / tokens.sum() - base.sum() / tokens.sum()))
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(tokens), size=(resamples, len(tokens)))
@@ -62,7 +64,7 @@ class McNemarResult:
 def mcnemar_exact(baseline_correct: list[bool], variant_correct: list[bool]) -> McNemarResult:
     """Two-sided exact binomial test of the discordant pairs (b vs c, p = 0.5)."""
     if len(baseline_correct) != len(variant_correct):
-        raise GateError("cannot pair cloze results: the variant answered a different item set")
+        raise ComparisonError("cannot pair cloze results: the variant answered a different item set")
     b = sum(base and not var for base, var in zip(baseline_correct, variant_correct, strict=True))
     c = sum(var and not base for base, var in zip(baseline_correct, variant_correct, strict=True))
     n = b + c

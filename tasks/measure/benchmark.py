@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks.config import BenchmarkConfig
-from tasks.runtime import Runtime, load_runtime
+from tasks.engines import Runtime, load_runtime
 
 
 @dataclass(frozen=True)

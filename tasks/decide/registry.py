@@ -8,9 +8,9 @@ from pathlib import Path
 
 import yaml
 
+from tasks.decide.select import Leaderboard
+from tasks.engines.manifest import VariantManifest
 from tasks.errors import RegistryError
-from tasks.manifest import VariantManifest
-from tasks.select import Leaderboard
 
 VARIANT_ARTIFACT = "variant"  # the artifact key pyfunc_model.py reads
 CANDIDATE = "candidate"

@@ -15,8 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.config import EvaluateConfig
+from tasks.engines import Runtime, load_runtime
+from tasks.engines.manifest import VariantManifest
 from tasks.errors import DataValidationError
-from tasks.runtime import Runtime
+from tasks.storage import code_sha256, staged_file
+
+# What an evaluation's numbers depend on besides the bytes and the text: this module and every engine.
+MEASURING_MODULES = ("tasks.measure.evaluate", "tasks.measure.lm_eval_adapter", "tasks.engines")
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ def evaluate_variant(
     cloze = cloze_accuracy(runtime, items, cfg.cloze_new_tokens)
     harness = {}
     if cfg.lm_eval_tasks:
-        from tasks.lm_eval_tasks import run_lm_eval
+        from tasks.measure.lm_eval_adapter import run_lm_eval
 
         harness = run_lm_eval(runtime, cfg.lm_eval_tasks, cfg.lm_eval_limit)
     return VariantEvaluation(perplexity, agreement, continuations, cloze, harness)
@@ -176,15 +181,13 @@ def evaluation_key(
     import hashlib
     import json
     from importlib import metadata
-    from pathlib import Path
 
-    code = b"".join((Path(__file__).parent / name).read_bytes() for name in ("evaluate.py", "runtime.py"))
     parts = {
         "variant": content_hash,
         "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
         "settings": cfg.model_dump(mode="json"),
         "reference": reference,
-        "code": hashlib.sha256(code).hexdigest(),
+        "code": code_sha256(MEASURING_MODULES),
         "versions": [metadata.version(p) for p in ("torch", "transformers", "onnxruntime-genai")],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
@@ -195,10 +198,8 @@ def save_evaluation(path: Path, key: str, evaluation: VariantEvaluation) -> None
     import json
     from dataclasses import asdict
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_suffix(".partial")
-    staging.write_text(json.dumps({"key": key, "evaluation": asdict(evaluation)}))
-    staging.replace(path)
+    with staged_file(path) as staging:
+        staging.write_text(json.dumps({"key": key, "evaluation": asdict(evaluation)}))
 
 
 def load_evaluation(path: Path, key: str) -> VariantEvaluation | None:
@@ -219,3 +220,24 @@ def load_evaluation(path: Path, key: str) -> VariantEvaluation | None:
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def evaluate_or_reuse(
+    folder: Path,
+    manifest: VariantManifest,
+    texts: list[str],
+    cfg: EvaluateConfig,
+    reference: list[list[int]] | None,
+    saved: Path,
+    threads: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[VariantEvaluation, bool]:
+    """(evaluation, reused): the evaluation saved in `saved` when its key (bytes, text, settings, reference,
+    measuring code) still matches, else a fresh one through the variant's Runtime, saved for next time."""
+    key = evaluation_key(manifest.content_hash, texts, cfg, reference)
+    previous = load_evaluation(saved, key)
+    if previous is not None:
+        return previous, True
+    evaluation = evaluate_variant(load_runtime(folder, threads), texts, cfg, reference, progress)
+    save_evaluation(saved, key, evaluation)
+    return evaluation, False

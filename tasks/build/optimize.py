@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config import OnnxGenAIStep, Step, VariantConfig
+from tasks.build.onnx_export import build_onnx_genai
+from tasks.config import Step, VariantConfig
+from tasks.engines import onnx_genai, pytorch
+from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, read_manifest
+from tasks.engines.onnx_genai import ONNX_GENAI
+from tasks.engines.torch_weights import HF_SAFETENSORS
 from tasks.errors import ConfigError, ModelSourceError
-from tasks.hashing import folder_sha256, folder_size
-from tasks.load import BaseModel
-from tasks.manifest import MANIFEST_FILE, VariantManifest, read_manifest
+from tasks.inputs.load import PreparedBase
+from tasks.storage import code_sha256, folder_sha256, folder_size, staged_folder
 
 
 @dataclass
@@ -58,7 +59,7 @@ def _step_arguments(kind: str) -> Iterator[None]:
 
 
 def _quantize_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
-    from tasks.quantize import NOTES, quantize_model
+    from tasks.build.quantize import NOTES, quantize_model
 
     calibration = (
         context.sequences(context.tokenizer, 256, limit=16) if step.quantize.method == "quanto_w8a8" else []
@@ -69,35 +70,34 @@ def _quantize_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, 
 
 
 def _prune_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
-    from tasks import prune
+    from tasks.build import prune
 
     cfg, tokenizer = step.prune, context.tokenizer
     with _step_arguments("prune"):
         if cfg.method == "unstructured":
-            report = prune.prune_unstructured(model, cfg.sparsity or 0.5, cfg.scope or "global")
+            report = prune.prune_unstructured(model, cfg.sparsity, cfg.scope)
         else:
-            importance = cfg.importance or "activation"
-            calibration = context.sequences(tokenizer, 256, limit=16) if importance == "activation" else None
-            groups = cfg.head_groups or 0
-            report = prune.prune_structured(model, cfg.mlp_fraction or 0.0, groups, importance, calibration)
+            activation = cfg.importance == "activation"
+            calibration = context.sequences(tokenizer, 256, limit=16) if activation else None
+            report = prune.prune_structured(
+                model, cfg.mlp_fraction, cfg.head_groups, cfg.importance, calibration
+            )
     note = f"{report.method}: {report.parameters_before:,} → {report.parameters_after:,} parameters, "
     note += f"{report.sparsity:.1%} zeros in decoder matrices. {report.note}"
     if cfg.heal_steps:
         steps, batches = cfg.heal_steps, context.sequences(tokenizer, 256)
-        losses = prune.heal(
-            model, batches, steps, cfg.heal_lr or 5e-5, lambda i, _: context.report("heal", i, steps)
-        )
+        losses = prune.heal(model, batches, steps, cfg.heal_lr, lambda i, _: context.report("heal", i, steps))
         context.history["heal_loss"] = losses
         note += f" Healed {steps} steps: loss {losses[0]:.3f} → {losses[-1]:.3f}."
-    return model, "hf-safetensors", note
+    return model, HF_SAFETENSORS, note
 
 
 def _distill_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
-    from tasks.distill import DistillSettings, build_student, distill
+    from tasks.build.distill import DistillSettings, build_student, distill
 
     cfg = step.distill
     with _step_arguments("distill"):
-        student = build_student(model, cfg.keep_every or (None if cfg.layers else 2), cfg.layers)
+        student = build_student(model, *cfg.student_depth())
     settings = DistillSettings(**cfg.model_dump(exclude={"keep_every", "layers", "sequence_tokens"}))
     result = distill(
         model,
@@ -114,7 +114,7 @@ def _distill_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, s
         f"distilled into {student.config.num_hidden_layers} of {model.config.num_hidden_layers} layers: "
         f"{result.step} steps (stopped by {result.stopped_by}), loss {first:.3f} → {last:.3f}"
     )
-    return student, "hf-safetensors", note
+    return student, HF_SAFETENSORS, note
 
 
 STEP_APPLIERS: dict[str, Callable[[Any, Step, BuildContext], tuple[Any, str, str]]] = {
@@ -124,13 +124,13 @@ STEP_APPLIERS: dict[str, Callable[[Any, Step, BuildContext], tuple[Any, str, str
 }
 
 
-BUILDER_MODULES = ("optimize.py", "quantize.py", "prune.py", "distill.py")
+# What writes a variant's bytes: the build steps and the weights formats they save.
+BUILDER_MODULES = ("tasks.build", "tasks.engines.torch_weights", "tasks.engines.manifest")
 
 
 def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) -> str:
     """Content address of a variant: same base, data, recipe, builder code and libraries → same artifact."""
-    code = b"".join((Path(__file__).parent / name).read_bytes() for name in BUILDER_MODULES)
-    builder = hashlib.sha256(code).hexdigest()
+    builder = code_sha256(BUILDER_MODULES)
     versions = ",".join(f"{k}={v}" for k, v in sorted(_library_versions().items()))
     key = f"{base_hash}\0{data_hash}\0{variant.recipe_hash()}\0{builder}\0{versions}"
     return hashlib.sha256(key.encode()).hexdigest()
@@ -139,7 +139,7 @@ def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) ->
 def build_variant(
     name: str,
     variant: VariantConfig,
-    base: BaseModel,
+    base: PreparedBase,
     data_hash: str,
     out_dir: Path,
     calibration: list[str] | None = None,
@@ -154,38 +154,31 @@ def build_variant(
     existing = _reusable_manifest(out_dir, build_key)
     if existing is not None:
         return existing
-    staging = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     checkpoints = out_dir.with_name(out_dir.name + ".checkpoint") / build_key[:16]
     context = BuildContext(list(calibration or []), checkpoints, progress)
-    try:
-        weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging, context)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)  # nothing half-built stays behind (checkpoints do)
-        if isinstance(exc, StepArgumentError):
+    with staged_folder(out_dir) as staging:  # nothing half-built stays behind (checkpoints do)
+        try:
+            weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging, context)
+        except StepArgumentError as exc:
             raise ConfigError(f"params.yaml: variants.{name}.steps: {exc}") from exc
-        raise
-    manifest = VariantManifest(
-        name=name,
-        recipe=variant.recipe(),
-        recipe_hash=variant.recipe_hash(),
-        build_key=build_key,
-        base_hash=base.content_hash,
-        data_hash=data_hash,
-        weights_format=weights_format,
-        dtype=variant.runtime.dtype,
-        engine=engine,
-        parameters=parameters,
-        size_bytes=folder_size(staging),
-        content_hash=folder_sha256(staging),
-        notes=notes,
-        versions=_library_versions(),
-        training=context.history,
-    )
-    manifest.write(staging)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    staging.rename(out_dir)
+        manifest = VariantManifest(
+            name=name,
+            recipe=variant.recipe(),
+            recipe_hash=variant.recipe_hash(),
+            build_key=build_key,
+            base_hash=base.content_hash,
+            data_hash=data_hash,
+            weights_format=weights_format,
+            dtype=variant.runtime.dtype,
+            engine=engine,
+            parameters=parameters,
+            size_bytes=folder_size(staging),
+            content_hash=folder_sha256(staging),
+            notes=notes,
+            versions=_library_versions(),
+            training=context.history,
+        )
+        manifest.write(staging)
     shutil.rmtree(checkpoints.parent, ignore_errors=True)
     return manifest
 
@@ -210,7 +203,7 @@ def _apply_recipe(
 
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False)
     context.tokenizer = AutoTokenizer.from_pretrained(base_path)
-    weights_format, notes = "hf-safetensors", []
+    weights_format, notes = HF_SAFETENSORS, []
     torch_steps = [step for step in variant.steps if step.kind != "onnx_genai"]
     parameters = sum(p.numel() for p in model.parameters())
     for step in torch_steps:
@@ -227,15 +220,15 @@ def _apply_recipe(
             build_onnx_genai(source, dest, export, Path(scratch) / "builder-cache")
         AutoTokenizer.from_pretrained(base_path).save_pretrained(dest)
         note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
-        return "onnx-genai", "onnxruntime-genai", parameters, [*notes, note]
+        return ONNX_GENAI, onnx_genai.ENGINE, parameters, [*notes, note]
     AutoTokenizer.from_pretrained(base_path).save_pretrained(dest)
-    if weights_format != "hf-safetensors":
-        from tasks.quantize import save_quantized
+    if weights_format != HF_SAFETENSORS:
+        from tasks.build.quantize import save_quantized
 
         save_quantized(model, weights_format, dest)
     else:
         model.to(getattr(torch, variant.runtime.dtype)).save_pretrained(dest)
-    return weights_format, "torch", parameters, notes
+    return weights_format, pytorch.ENGINE, parameters, notes
 
 
 def _save_float_model(model: Any, tokenizer: Any, folder: Path) -> Path:
@@ -243,22 +236,6 @@ def _save_float_model(model: Any, tokenizer: Any, folder: Path) -> Path:
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     return folder / "model"
-
-
-def build_onnx_genai(source: Path, dest: Path, step: OnnxGenAIStep, cache: Path) -> None:
-    """Run ONNX Runtime GenAI's model builder offline on an HF folder; its log is shown only if it fails."""
-    options = [f"block_size={step.block_size}", f"is_symmetric={str(step.symmetric).lower()}"]
-    if step.accuracy_level:
-        options.append(f"accuracy_level={step.accuracy_level}")
-    if not step.symmetric:
-        # builder 0.18 emits an invalid graph for an asymmetric (uint4) embedding shared with lm_head
-        options.append("shared_embeddings=false")
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(dest)]
-    command += ["-p", step.precision, "-e", "cpu", "-c", str(cache), "--extra_options", *options]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    if result.returncode != 0:
-        tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        raise ModelSourceError(f"onnx_genai: the model builder failed on {source}: {tail}")
 
 
 def _library_versions() -> dict[str, str]:

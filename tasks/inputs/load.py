@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import ModelConfig
 from tasks.errors import ModelSourceError
-from tasks.hashing import folder_sha256
+from tasks.storage import folder_sha256, staged_folder
 
 EMBEDDED_SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -19,7 +18,7 @@ SOURCE_FILE = "llmopt-source.json"
 
 
 @dataclass(frozen=True)
-class BaseModel:
+class PreparedBase:
     """The prepared base model: where it lives and the hash that identifies its bytes."""
 
     path: Path
@@ -27,24 +26,20 @@ class BaseModel:
     source: str
 
 
-def prepare_base_model(cfg: ModelConfig, out_dir: Path) -> BaseModel:
+def prepare_base_model(cfg: ModelConfig, out_dir: Path) -> PreparedBase:
     """Build the base folder once; reuse it while the source is unchanged and its bytes still match their hash."""
     recorded = _read_source_record(out_dir)
     if recorded and recorded.get("source") == _source_key(cfg):
         current = folder_sha256(out_dir, exclude=(SOURCE_FILE,))
         if current == recorded.get("content_hash"):
-            return BaseModel(out_dir, current, cfg.source)
-    staging = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    _materialize(cfg, staging)
-    content_hash = folder_sha256(staging)
-    (staging / SOURCE_FILE).write_text(
-        json.dumps({"source": _source_key(cfg), "content_hash": content_hash}, indent=2) + "\n"
-    )
-    shutil.rmtree(out_dir, ignore_errors=True)
-    staging.rename(out_dir)
-    return BaseModel(out_dir, content_hash, cfg.source)
+            return PreparedBase(out_dir, current, cfg.source)
+    with staged_folder(out_dir) as staging:  # a failed conversion leaves neither a half folder nor staging
+        _materialize(cfg, staging)
+        content_hash = folder_sha256(staging)
+        (staging / SOURCE_FILE).write_text(
+            json.dumps({"source": _source_key(cfg), "content_hash": content_hash}, indent=2) + "\n"
+        )
+    return PreparedBase(out_dir, content_hash, cfg.source)
 
 
 def check_model_source(cfg: ModelConfig) -> None:

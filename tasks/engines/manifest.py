@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tasks.config import RuntimeSettings
 from tasks.errors import ModelSourceError
 
 MANIFEST_FILE = "manifest.json"
@@ -21,7 +22,7 @@ class VariantManifest:
     build_key: str
     base_hash: str
     data_hash: str
-    weights_format: str  # "hf-safetensors" or "torch-dynamic-int8"
+    weights_format: str  # one of the formats its engine module loads (e.g. "hf-safetensors", "onnx-genai")
     dtype: str
     engine: str
     parameters: int
@@ -30,6 +31,10 @@ class VariantManifest:
     notes: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
     training: dict[str, list[float]] = field(default_factory=dict)  # per-step losses (distill, heal)
+
+    def runtime_settings(self) -> RuntimeSettings:
+        """The recipe's runtime settings, as validated when the variant was built."""
+        return RuntimeSettings.model_validate(self.recipe.get("runtime", {}))
 
     def write(self, folder: Path) -> None:
         (folder / MANIFEST_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")

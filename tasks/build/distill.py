@@ -13,13 +13,14 @@ Batches are chosen from (seed, step) alone, so an interrupted-then-resumed run e
 from __future__ import annotations
 
 import copy
-import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from tasks.storage import staged_file
 
 CHECKPOINT_FILE = "distill-checkpoint.pt"
 PAD_LABEL = -100  # cross_entropy's ignore_index
@@ -171,12 +172,11 @@ def save_checkpoint(
     step: int,
     history: list[dict[str, float]],
 ) -> Path:
-    """Write student, optimizer, step, loss history and RNG state to a temporary file, then rename it into place."""
+    """Write student, optimizer, step, loss history and RNG state (staged, then renamed into place)."""
     import torch
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / CHECKPOINT_FILE
-    partial = path.with_name(path.name + ".partial")
     state = {
         "student": student.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -185,8 +185,8 @@ def save_checkpoint(
         "rng": torch.get_rng_state(),
         "settings": asdict(settings),
     }
-    torch.save(state, partial)
-    os.replace(partial, path)
+    with staged_file(path) as partial:
+        torch.save(state, partial)
     return path
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.select import Leaderboard
+from tasks.decide.select import Leaderboard
 
 
 def tradeoff_plot(board: Leaderboard, path: Path) -> Path:

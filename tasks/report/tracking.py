@@ -9,12 +9,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tasks.benchmark import BenchmarkResult
 from tasks.config import Config, TrackingConfig, VariantConfig
-from tasks.evaluate import VariantEvaluation
-from tasks.manifest import VariantManifest
-from tasks.plots import speed_plot, tradeoff_plot
-from tasks.select import Leaderboard
+from tasks.decide.select import Leaderboard
+from tasks.engines.manifest import VariantManifest
+from tasks.measure.benchmark import BenchmarkResult
+from tasks.measure.evaluate import VariantEvaluation
+from tasks.report.plots import speed_plot, tradeoff_plot
 
 
 def tracking_uri(cfg: TrackingConfig, root: Path) -> str:

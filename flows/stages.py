@@ -1,0 +1,162 @@
+"""Prefect tasks around the stage functions, and the two pieces every flow shares: the measuring loop (build,
+evaluate, benchmark every variant) and the rank-and-report tail (validate, rank, write, log)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.progress import progress_bar
+from tasks.build.optimize import build_variant
+from tasks.config import Config, VariantConfig
+from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
+from tasks.engines.manifest import VariantManifest
+from tasks.expectations import validate_metrics_table
+from tasks.inputs.data import PreparedData, prepare_data, read_split
+from tasks.inputs.load import PreparedBase, prepare_base_model
+from tasks.measure.benchmark import (
+    BenchmarkResult,
+    benchmark_in_fresh_process,
+    median_trial,
+    memory_read_bandwidth_gbs,
+)
+from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
+from tasks.report.tracking import log_reports, log_variant_run, write_reports
+
+
+def workdir(config: Config, root: Path) -> Path:
+    return root / config.project.workdir
+
+
+@task(name="load", cache_policy=NO_CACHE)
+def load_task(config: Config, root: Path) -> PreparedBase:
+    return prepare_base_model(config.model, workdir(config, root) / "base")
+
+
+@task(name="data", cache_policy=NO_CACHE)
+def data_task(config: Config, root: Path) -> PreparedData:
+    return prepare_data(config.data, root / config.project.downloads, workdir(config, root) / "data")
+
+
+def prepare_inputs(config: Config, root: Path) -> tuple[PreparedBase, PreparedData]:
+    return load_task(config, root), data_task(config, root)
+
+
+@task(name="optimize", task_run_name="optimize-{name}", cache_policy=NO_CACHE)
+def optimize_task(
+    name: str, variant: VariantConfig, base: PreparedBase, data: PreparedData, out_dir: Path
+) -> VariantManifest:
+    calibration = read_split(data.folder, "calibration")
+    with progress_bar(f"optimize {name}") as update:
+        return build_variant(
+            name, variant, base, data.content_hash, out_dir, calibration, lambda _, i, n: update(i, n)
+        )
+
+
+@task(name="evaluate", task_run_name="evaluate-{folder.name}", cache_policy=NO_CACHE)
+def evaluate_task(
+    folder: Path,
+    manifest: VariantManifest,
+    texts: list[str],
+    config: Config,
+    reference: list[list[int]] | None,
+    saved: Path,
+) -> VariantEvaluation:
+    with progress_bar(f"perplexity {folder.name}") as update:
+        evaluation, reused = evaluate_or_reuse(
+            folder, manifest, texts, config.evaluate, reference, saved, config.target.threads, update
+        )
+    if reused:
+        get_run_logger().info(f"{folder.name}: evaluation unchanged since the last run, reused")
+    return evaluation
+
+
+@task(name="benchmark", task_run_name="benchmark-{folder.name}", cache_policy=NO_CACHE)
+def benchmark_task(folder: Path, config: Config, prompt_text: str) -> BenchmarkResult:
+    return benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Every variant's manifest, evaluation and benchmark trials, measured on one machine in one run."""
+
+    manifests: dict[str, VariantManifest]
+    evaluations: dict[str, VariantEvaluation]
+    trials: dict[str, list[BenchmarkResult]]
+    bandwidth_gbs: float
+
+    def chosen(self, name: str) -> BenchmarkResult:
+        """The trial reported for `name`: the one with the median batch-1 decode speed."""
+        return median_trial(self.trials[name])
+
+
+def measure_variants(
+    config: Config, root: Path, base: PreparedBase, data: PreparedData, trials: int
+) -> Measurements:
+    """Build (or reuse) and evaluate (or reuse) every variant, baseline first (its greedy continuations are
+    everyone's agreement reference); then benchmark them all `trials` times, trials interleaving the variants
+    so that a slow spell of the machine hits all of them."""
+    logger = get_run_logger()
+    texts, work = read_split(data.folder, "evaluation"), workdir(config, root)
+    manifests, evaluations, reference = {}, {}, None
+    for name, variant in baseline_first(config):
+        folder = work / "variants" / name
+        manifests[name] = optimize_task(name, variant, base, data, folder)
+        evaluations[name] = evaluate_task(
+            folder, manifests[name], texts, config, reference, work / "evaluations" / f"{name}.json"
+        )
+        reference = reference or evaluations[name].continuations
+    bandwidth = memory_read_bandwidth_gbs(config.target.threads)  # after the builds: the machine has settled
+    logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
+    results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
+    for trial in range(trials):
+        for name in manifests:
+            results[name].append(benchmark_task(work / "variants" / name, config, texts[0]))
+            perplexity = evaluations[name].perplexity.perplexity
+            logger.info(
+                f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, "
+                f"{results[name][-1].decode_tok_s:.1f} tok/s"
+            )
+    return Measurements(manifests, evaluations, results, bandwidth)
+
+
+def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
+    base = config.select.baseline
+    return [(base, config.variants[base])] + [(n, v) for n, v in config.variants.items() if n != base]
+
+
+def rank_and_report(
+    config: Config,
+    measured: Measurements,
+    out_dir: Path,
+    run_ids: tuple[str, str],
+    extra_reports: list[Path],
+    run_metrics: dict[str, float],
+) -> tuple[Leaderboard, dict[str, str]]:
+    """Validate the metrics table (Great Expectations), rank, write the reports into `out_dir` and log one
+    nested MLflow run per variant under the parent run; returns the leaderboard and the variant run ids."""
+    experiment_id, parent_id = run_ids
+    m = measured
+    scores = [
+        variant_score(n, m.manifests[n], m.evaluations[n], m.chosen(n), m.bandwidth_gbs) for n in m.manifests
+    ]
+    validate_metrics_table([asdict(score) for score in scores], list(config.variants))
+    board = build_leaderboard(scores, config.select)
+    reports = write_reports(board, out_dir) + extra_reports
+    runs = {
+        name: log_variant_run(
+            experiment_id,
+            parent_id,
+            config.variants[name],
+            m.manifests[name],
+            m.evaluations[name],
+            m.chosen(name),
+        )
+        for name in m.manifests
+    }
+    metrics = {"memory_read_bandwidth_gbs": m.bandwidth_gbs, **run_metrics}
+    log_reports(parent_id, board, reports, runs, metrics)
+    return board, runs

@@ -1,0 +1,1 @@
+"""Building variants: a recipe's steps (prune, distill, quantize, ONNX export) applied to the base model."""

@@ -1,0 +1,1 @@
+"""Deciding: paired statistics, the leaderboard and its winner, registration and promotion."""

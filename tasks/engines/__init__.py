@@ -1,0 +1,29 @@
+"""Engines: the Runtime contract (`contract.py`), one module per engine, and the loading of each weights format.
+
+Evaluation, benchmark and serving open every variant with `load_runtime`; nothing outside this package needs to
+know which engine runs a variant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.engines import onnx_genai, pytorch
+from tasks.engines.contract import Runtime
+from tasks.engines.manifest import read_manifest
+from tasks.errors import ModelSourceError
+
+ENGINES: dict[str, type[Runtime]] = {
+    pytorch.ENGINE: pytorch.TorchRuntime,
+    onnx_genai.ENGINE: onnx_genai.OrtGenAIRuntime,
+}
+
+__all__ = ["ENGINES", "Runtime", "load_runtime"]
+
+
+def load_runtime(folder: Path, threads: int) -> Runtime:
+    """Open the variant in `folder` with the engine its manifest names (`threads` unless the recipe sets them)."""
+    manifest = read_manifest(folder)
+    if manifest.engine not in ENGINES:
+        raise ModelSourceError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(ENGINES)}")
+    return ENGINES[manifest.engine](folder, manifest, manifest.runtime_settings().threads or threads)

@@ -1,0 +1,93 @@
+"""The Runtime contract: what every engine promises to evaluation, benchmark and serving.
+
+A Runtime holds one variant loaded in one engine. Everything llmopt measures goes through these methods, and
+serving uses the same ones, so what is measured is what is shipped. The rules below are what make numbers from
+different engines comparable; an engine that cannot keep one of them must not be added behind this interface.
+
+Tokens
+    Every engine tokenizes with the variant's Hugging Face tokenizer (saved beside its weights), so the same text
+    gives the same ids, and the same predicted-token counts, in every engine. `encode` adds no special tokens: no
+    BOS is prepended, by llmopt or by the engine. Callers that want a BOS put it into the ids themselves.
+
+Scoring (`score`)
+    For each sequence of ids, the first token is context only; every later token is predicted from all tokens
+    before it in the same sequence (nothing from other sequences, nothing prepended). The result per sequence is
+    `(sum of natural-log negative log-likelihoods of tokens 1..n-1, n - 1)`; a one-token sequence gives
+    `(0.0, 0)`. Log-likelihoods are computed in at least float32 from the engine's logits, whatever the weights'
+    precision.
+
+Generation (`generate`)
+    Greedy decoding only. Each prompt (a non-empty list of ids) gets its continuation: the generated ids, prompt
+    excluded, in the order of `prompts`. With `stop_at_eos`, a continuation stops after the end-of-sequence token
+    (which it keeps) or after `max_new_tokens`; without it, exactly `max_new_tokens` ids come back (an EOS is then
+    an ordinary token: benchmarks time a fixed amount of work). Prompts of equal length run together as one batch
+    and no prompt is padded, so a prompt's continuation does not depend on which other prompts share the call.
+
+Engines subclass `Runtime` and implement `score` and `_generate_batch`; `generate` (grouping, order, cutting at
+EOS) is shared, so every engine batches the same way.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from tasks.engines.manifest import VariantManifest
+
+
+class Runtime(abc.ABC):
+    """One variant loaded in one engine: tokenize, score token sequences, generate greedy continuations."""
+
+    manifest: VariantManifest  # how the variant was built; engine and weights format included
+    tokenizer: Any  # the variant's Hugging Face tokenizer (see the module docstring: shared by every engine)
+    context_length: int  # the most tokens (prompt + continuation, or one scored sequence) the model takes
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added (no BOS)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids`, special tokens (such as EOS) left out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-sequence id `generate` stops at (None: the tokenizer has none, generation runs to length)."""
+        return self.tokenizer.eos_token_id
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence id, for callers that prepend one themselves (`encode` never does)."""
+        return self.tokenizer.bos_token_id
+
+    @abc.abstractmethod
+    def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        """Per sequence: (sum of next-token negative log-likelihoods of tokens 1..n-1, n - 1)."""
+
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
+    ) -> list[list[int]]:
+        """Greedy continuation ids (prompt excluded) for each prompt, in order; equal-length prompts batch."""
+        if any(not prompt for prompt in prompts):
+            raise ValueError("cannot generate from an empty prompt")
+        groups: dict[int, list[int]] = {}
+        for index, prompt in enumerate(prompts):
+            groups.setdefault(len(prompt), []).append(index)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for indexes in groups.values():
+            rows = self._generate_batch([prompts[i] for i in indexes], max_new_tokens, stop_at_eos)
+            for index, row in zip(indexes, rows, strict=True):
+                outputs[index] = cut_after_eos(row, self.eos_token_id) if stop_at_eos else row
+        return outputs
+
+    @abc.abstractmethod
+    def _generate_batch(
+        self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
+    ) -> list[list[int]]:
+        """Greedy continuations of prompts that all have the same length, run as one batch. Rows may run past
+        an EOS (`generate` cuts them); without `stop_at_eos` each row must hold exactly `max_new_tokens` ids."""
+
+
+def cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """A finished sequence in a batch keeps being padded; keep it up to and including its end-of-sequence token."""
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens

@@ -1,0 +1,121 @@
+"""The PyTorch engine: transformers eager execution on CPU (optionally inside DeepSpeed's inference engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tasks.config import RuntimeSettings
+from tasks.engines.contract import Runtime
+from tasks.engines.manifest import VariantManifest
+from tasks.engines.torch_weights import QUANTO, load_torch_model
+from tasks.errors import ModelSourceError, TargetError
+
+ENGINE = "torch"  # the manifest's `engine` for every variant this module runs
+KV_RESIDUAL_TOKENS = (
+    16  # a quantized KV cache keeps only the newest tokens in full precision (KIVI's residual)
+)
+
+
+class TorchRuntime(Runtime):
+    """PyTorch + transformers on CPU. `model` is the loaded transformers model (engine-specific, for tests and
+    tools that inspect torch internals; measuring code uses only the Runtime contract)."""
+
+    def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.manifest = manifest
+        settings = manifest.runtime_settings()
+        if settings.engine == "tensorrt_llm":
+            raise TargetError("engine tensorrt_llm needs an NVIDIA GPU target; on cpu use onnx_genai")
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            self.model = load_torch_model(folder, manifest.weights_format, manifest.dtype, settings)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise ModelSourceError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
+        self.model.eval()
+        self.context_length = self.model.config.max_position_embeddings
+        if settings.engine == "deepspeed":
+            self.model = deepspeed_engine(self.model, manifest.dtype)
+        self._options = generation_options(settings, self.model.config.head_dim)
+        # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
+        self._no_grad = torch.no_grad if manifest.weights_format == QUANTO else torch.inference_mode
+
+    def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        import torch
+
+        results = []
+        with self._no_grad():
+            for ids in sequences:
+                tensor = torch.tensor([ids])
+                logits = self.model(input_ids=tensor).logits[0, :-1].float()
+                nll = torch.nn.functional.cross_entropy(logits, tensor[0, 1:], reduction="sum")
+                results.append((float(nll), len(ids) - 1))
+        return results
+
+    def _generate_batch(
+        self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
+    ) -> list[list[int]]:
+        import torch
+
+        extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
+        with self._no_grad():
+            generated = self.model.generate(
+                input_ids=torch.tensor(batch),
+                attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id or self.eos_token_id,
+                **self._options,
+                **extra,
+            )
+        return generated[:, len(batch[0]) :].tolist()
+
+
+def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:
+    """`generate` keyword arguments for the KV-cache setting (a sliding window is part of the model instead)."""
+    if settings.kv_cache == "static":
+        return {"cache_implementation": "static"}
+    if settings.kv_cache == "quantized":
+        cache = {"backend": "quanto", "nbits": settings.kv_cache_bits, "residual_length": KV_RESIDUAL_TOKENS}
+        return {
+            "cache_implementation": "quantized",
+            "cache_config": {**cache, "q_group_size": min(64, head_dim)},
+        }
+    return {}
+
+
+def kv_cache_bytes(cache: Any) -> int:
+    """Bytes held by a transformers KV cache, packed quantized tensors counted by their parts."""
+    return sum(_tensor_bytes(value) for layer in cache.layers for value in vars(layer).values())
+
+
+def _tensor_bytes(value: Any) -> int:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "__tensor_flatten__"):  # quanto's packed tensors: data, scale, shift
+            names, _ = value.__tensor_flatten__()
+            return sum(_tensor_bytes(getattr(value, name)) for name in names)
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def deepspeed_engine(model: Any, dtype: str) -> Any:
+    """DeepSpeed's inference engine around the model at world size 1 (the target check refuses more ranks on
+    CPU; no kernel injection: CPU has no kernels); generate goes through the wrapped module."""
+    import os
+
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    engine = deepspeed.init_inference(
+        model, dtype=getattr(torch, dtype), replace_with_kernel_inject=False, tensor_parallel={"tp_size": 1}
+    )
+    return engine.module

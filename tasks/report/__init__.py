@@ -1,0 +1,1 @@
+"""Reporting: MLflow runs, leaderboard files and plots."""

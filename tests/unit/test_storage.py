@@ -1,0 +1,68 @@
+import pytest
+
+from tasks.storage import code_sha256, file_sha256, folder_sha256, folder_size, staged_file, staged_folder
+
+
+def test_folder_hash_depends_on_content_and_names_not_creation_order(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, order in ((first, ["x", "y"]), (second, ["y", "x"])):
+        (folder / "sub").mkdir(parents=True)
+        for name in order:
+            (folder / "sub" / name).write_text(f"content {name}")
+    assert folder_sha256(first) == folder_sha256(second)
+    (second / "sub" / "x").write_text("changed")
+    assert folder_sha256(first) != folder_sha256(second)
+
+
+def test_renaming_a_file_changes_the_folder_hash(tmp_path):
+    (tmp_path / "f").write_text("same")
+    before = folder_sha256(tmp_path)
+    (tmp_path / "f").rename(tmp_path / "g")
+    assert folder_sha256(tmp_path) != before
+
+
+def test_excluded_files_do_not_count(tmp_path):
+    (tmp_path / "weights").write_bytes(b"\x00" * 10)
+    before = folder_sha256(tmp_path, exclude=("manifest.json",))
+    (tmp_path / "manifest.json").write_text("{}")
+    assert folder_sha256(tmp_path, exclude=("manifest.json",)) == before
+    assert folder_size(tmp_path) == 12
+
+
+def test_file_hash_matches_known_sha256(tmp_path):
+    (tmp_path / "abc").write_bytes(b"abc")
+    assert file_sha256(tmp_path / "abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_a_staged_folder_replaces_the_old_one_only_when_the_body_succeeds(tmp_path):
+    dest = tmp_path / "variant"
+    dest.mkdir()
+    (dest / "old").write_text("old")
+    with pytest.raises(RuntimeError), staged_folder(dest) as staging:
+        (staging / "half").write_text("half-written")
+        raise RuntimeError("interrupted")
+    assert [p.name for p in tmp_path.iterdir()] == ["variant"] and (dest / "old").is_file()
+    with staged_folder(dest) as staging:
+        (staging / "new").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["variant"] and [p.name for p in dest.iterdir()] == ["new"]
+
+
+def test_a_staged_file_leaves_the_previous_version_when_writing_fails(tmp_path):
+    dest = tmp_path / "deep" / "evaluation.json"
+    with staged_file(dest) as staging:
+        staging.write_text("first")
+    with pytest.raises(OSError), staged_file(dest) as staging:
+        staging.write_text("second, cut short")
+        raise OSError("disk full")
+    assert dest.read_text() == "first" and [p.name for p in dest.parent.iterdir()] == ["evaluation.json"]
+
+
+def test_code_keys_follow_modules_by_import_name_wherever_their_files_live():
+    from tasks.build.optimize import BUILDER_MODULES
+    from tasks.measure.evaluate import MEASURING_MODULES
+
+    package = code_sha256(("tasks.engines",))
+    assert package != code_sha256(("tasks.engines.contract",))  # a package counts with all its modules
+    assert len({code_sha256(BUILDER_MODULES), code_sha256(MEASURING_MODULES), package}) == 3
+    with pytest.raises(ModuleNotFoundError, match="tasks.runtime"):
+        code_sha256(("tasks.runtime",))
