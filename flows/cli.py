@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.config import Config, load_config
-from tasks.errors import LlmoptError
+from tasks.errors import LlmoptError, RegistryError
 
 app = typer.Typer(
     help="llmopt: optimize a causal LM, measure accuracy and speed honestly, register and serve the winner.",
@@ -38,13 +38,109 @@ def run(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) 
         from flows.pipeline import pipeline_flow
 
         outcome = pipeline_flow(config, root)
-        _print_leaderboard(outcome.leaderboard)
-        reg = outcome.registration
+        _print_outcome(outcome)
+
+
+@app.command()
+def promote(
+    version: Annotated[str, typer.Argument(help="The registered model version to move production to.")],
+    params: ParamsOption = Path("params.yaml"),
+    force: Annotated[
+        bool, typer.Option("--force", help="Skip the champion/challenger gate (recorded as forced).")
+    ] = False,
+    reason: Annotated[
+        str | None, typer.Option(help="Why (required with --force; kept in the history).")
+    ] = None,
+    debug: DebugOption = False,
+) -> None:
+    """Move production to VERSION if it beats the current production version in the champion/challenger gate
+    (both measured now, on this machine, beside the baseline); with --force --reason, move it without the gate."""
+    with _user_errors(debug):
+        if force:
+            config, root = _setup(params, debug)
+            _forced_move(config, root, version, reason, "forced", "llmopt promote --force")
+            return
+        config, root = _setup_flow_run(params, debug)
+        from flows.pipeline import promote_flow
+
+        _print_outcome(promote_flow(config, root, version))
+
+
+@app.command()
+def rollback(
+    params: ParamsOption = Path("params.yaml"),
+    reason: Annotated[str, typer.Option(help="Why (kept in the history).")] = "rollback",
+    debug: DebugOption = False,
+) -> None:
+    """Move production back to the version it pointed to before its last move (recorded in the history)."""
+    with _user_errors(debug):
+        config, root = _setup(params, debug)
+        from tasks.decide.history import rollback_target
+
+        _configure_tracking(config, root)
+        _, previous = rollback_target(config.project.name)
+        _forced_move(config, root, previous, reason, "rollback", "llmopt rollback")
+
+
+@app.command()
+def history(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
+    """Every decision about production: moves (gate, forced, rollback) and refusals, oldest first."""
+    with _user_errors(debug):
+        config, root = _setup(params, debug)
+        from tasks.decide.history import history as production_history
+
+        _configure_tracking(config, root)
+        table = Table(title=f"{config.project.name}: production history")
+        for column in ("time (UTC)", "by", "kind", "from", "to", "moved", "reason"):
+            table.add_column(column, overflow="fold")
+        for move in production_history(config.project.name):
+            table.add_row(
+                move.time,
+                move.actor,
+                move.kind,
+                f"v{move.from_version}" if move.from_version else "—",
+                f"v{move.to_version}" if move.to_version else "—",
+                "yes" if move.moved else "no",
+                move.reason,
+            )
+        _wide_console().print(table)
+
+
+def _configure_tracking(config: Config, root: Path) -> None:
+    from tasks.report.tracking import configure_tracking
+
+    configure_tracking(config.tracking, root)
+
+
+def _forced_move(config: Config, root: Path, version: str, reason: str | None, kind: str, actor: str) -> None:
+    """Move production without the gate; the reason is required and recorded."""
+    from tasks.decide.history import move_production
+    from tasks.decide.registry import PRODUCTION, current_version, registered_version
+    from tasks.errors import ConfigError
+
+    if not reason:
+        raise ConfigError("--force needs --reason TEXT (it is kept in the production history)")
+    _configure_tracking(config, root)
+    registered_version(config.project.name, version)  # a clear error for a version that does not exist
+    before = current_version(config.project.name, PRODUCTION)
+    tag = f"{kind}: {reason}"
+    if not move_production(config.project.name, version, before, actor, kind, reason, tag):
+        raise RegistryError("production moved while this command ran; see `llmopt history`")
+    console.print(f"production → v{version} ({kind}: {reason}); was {f'v{before}' if before else 'none'}")
+
+
+def _print_outcome(outcome) -> None:
+    """The leaderboard, the registration, and as the last line what happened to production and why."""
+    _print_leaderboard(outcome.leaderboard)
+    reg = outcome.registration
+    if reg is not None:
+        reused = " (same bytes as before, reused)" if reg.reused else ""
         console.print(
-            f"Registered [bold]{reg.name}[/] version {reg.version}{' (same bytes as before, reused)' if reg.reused else ''}"
-            f" → aliases: {', '.join(outcome.aliases)}  (gate: {outcome.gate_reason})",
-            soft_wrap=True,
+            f"Registered [bold]{reg.name}[/] version {reg.version}{reused} → alias candidate", soft_wrap=True
         )
+    console.print(outcome.summary(), soft_wrap=True, highlight=False)
+    # Prefect announces the temporary server's shutdown at exit; the verdict above is the line users need last.
+    logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
 @app.command()
@@ -189,7 +285,8 @@ def _print_leaderboard(board) -> None:
     from tasks.decide.select import table_cells, table_columns
 
     table = Table(
-        title=f"Leaderboard (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} at {board.confidence:.0%} confidence; ★ winner)"
+        title=f"Leaderboard, objective {board.objective} (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} "
+        f"at {board.confidence:.0%} confidence; ★ winner, ◆ Pareto frontier, ✗ over budget)"
     )
     for column in table_columns(board):
         table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)

@@ -12,8 +12,9 @@ from prefect.cache_policies import NO_CACHE
 from flows.progress import progress_bar
 from tasks.build.optimize import build_variant
 from tasks.config import Config, VariantConfig
+from tasks.decide.registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
-from tasks.engines.manifest import VariantManifest
+from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
@@ -79,14 +80,22 @@ def benchmark_task(folder: Path, config: Config, prompt_text: str) -> BenchmarkR
     return benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
 
 
+@task(name="fetch-production", cache_policy=NO_CACHE)
+def fetch_version_task(config: Config, version: str, dest: Path) -> Path:
+    """The registered version's variant folder, downloaded into `dest` (reused while its bytes are intact)."""
+    return fetch_version(config.project.name, version, dest)
+
+
 @dataclass(frozen=True)
 class Measurements:
-    """Every variant's manifest, evaluation and benchmark trials, measured on one machine in one run."""
+    """Every model's manifest, evaluation and benchmark trials, measured on one machine in one run."""
 
     manifests: dict[str, VariantManifest]
     evaluations: dict[str, VariantEvaluation]
     trials: dict[str, list[BenchmarkResult]]
     bandwidth_gbs: float
+    folders: dict[str, Path]
+    registered: dict[str, str]  # registered model (e.g. "production-v3") → the name it was measured under
 
     def chosen(self, name: str) -> BenchmarkResult:
         """The trial reported for `name`: the one with the median batch-1 decode speed."""
@@ -94,38 +103,66 @@ class Measurements:
 
 
 def measure_variants(
-    config: Config, root: Path, base: PreparedBase, data: PreparedData, trials: int
+    config: Config,
+    root: Path,
+    base: PreparedBase,
+    data: PreparedData,
+    trials: int,
+    registered: dict[str, RegisteredVersion] | None = None,
 ) -> Measurements:
     """Build (or reuse) and evaluate (or reuse) every variant, baseline first (its greedy continuations are
-    everyone's agreement reference); then benchmark them all `trials` times, trials interleaving the variants
-    so that a slow spell of the machine hits all of them."""
+    everyone's agreement reference), and the `registered` versions beside them (a variant of this run with the
+    same bytes stands for one, else it is downloaded); then benchmark them all `trials` times, trials
+    interleaving the models so that a slow spell of the machine hits all of them."""
     logger = get_run_logger()
     texts, work = read_split(data.folder, "evaluation"), workdir(config, root)
-    manifests, evaluations, reference = {}, {}, None
+    manifests, evaluations, folders, reference = {}, {}, {}, None
     for name, variant in baseline_first(config):
-        folder = work / "variants" / name
-        manifests[name] = optimize_task(name, variant, base, data, folder)
+        folders[name] = work / "variants" / name
+        manifests[name] = optimize_task(name, variant, base, data, folders[name])
         evaluations[name] = evaluate_task(
-            folder, manifests[name], texts, config, reference, work / "evaluations" / f"{name}.json"
+            folders[name], manifests[name], texts, config, reference, work / "evaluations" / f"{name}.json"
         )
         reference = reference or evaluations[name].continuations
+    stand_ins = {}
+    for label, version in (registered or {}).items():
+        same = [name for name, manifest in manifests.items() if manifest.content_hash == version.content_hash]
+        stand_ins[label] = same[0] if same else label
+        if not same:
+            folder = fetch_version_task(config, version.version, work / "registered" / f"v{version.version}")
+            folders[label], manifests[label] = folder, read_manifest(folder)
+            saved = work / "evaluations" / f"{label}.json"
+            evaluations[label] = evaluate_task(folder, manifests[label], texts, config, reference, saved)
+        logger.info(f"{label} is measured as {stand_ins[label]}")
     bandwidth = memory_read_bandwidth_gbs(config.target.threads)  # after the builds: the machine has settled
     logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
     results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
     for trial in range(trials):
         for name in manifests:
-            results[name].append(benchmark_task(work / "variants" / name, config, texts[0]))
+            results[name].append(benchmark_task(folders[name], config, texts[0]))
             perplexity = evaluations[name].perplexity.perplexity
             logger.info(
                 f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, "
                 f"{results[name][-1].decode_tok_s:.1f} tok/s"
             )
-    return Measurements(manifests, evaluations, results, bandwidth)
+    return Measurements(manifests, evaluations, results, bandwidth, folders, stand_ins)
+
+
+def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_text: str) -> None:
+    """`select.duel_trials` more benchmarks of the two models, back to back, appended to their trials."""
+    for _ in range(config.select.duel_trials):
+        for name in names:
+            measured.trials[name].append(benchmark_task(measured.folders[name], config, prompt_text))
 
 
 def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
     base = config.select.baseline
     return [(base, config.variants[base])] + [(n, v) for n, v in config.variants.items() if n != base]
+
+
+def paired_with_baseline(config: Config, measured: Measurements, name: str) -> bool:
+    """Whether a model's evaluation pairs with the baseline's: same tokenizer, so same windows and items."""
+    return same_tokenizer(measured.folders[name], measured.folders[config.select.baseline])
 
 
 def rank_and_report(
@@ -137,25 +174,21 @@ def rank_and_report(
     run_metrics: dict[str, float],
 ) -> tuple[Leaderboard, dict[str, str]]:
     """Validate the metrics table (Great Expectations), rank, write the reports into `out_dir` and log one
-    nested MLflow run per variant under the parent run; returns the leaderboard and the variant run ids."""
+    nested MLflow run per ranked model under the parent run; returns the leaderboard and the run ids. A registered
+    version on another tokenizer cannot be paired with this run's baseline and is left out of the ranking."""
     experiment_id, parent_id = run_ids
     m = measured
-    scores = [
-        variant_score(n, m.manifests[n], m.evaluations[n], m.chosen(n), m.bandwidth_gbs) for n in m.manifests
-    ]
-    validate_metrics_table([asdict(score) for score in scores], list(config.variants))
+    fetched = set(m.registered.values()) - set(config.variants)
+    names = [n for n in m.manifests if n not in fetched or paired_with_baseline(config, m, n)]
+    scores = [variant_score(n, m.manifests[n], m.evaluations[n], m.chosen(n), m.bandwidth_gbs) for n in names]
+    validate_metrics_table([asdict(score) for score in scores], names)
     board = build_leaderboard(scores, config.select)
     reports = write_reports(board, out_dir) + extra_reports
     runs = {
         name: log_variant_run(
-            experiment_id,
-            parent_id,
-            config.variants[name],
-            m.manifests[name],
-            m.evaluations[name],
-            m.chosen(name),
+            experiment_id, parent_id, m.manifests[name], m.evaluations[name], m.chosen(name)
         )
-        for name in m.manifests
+        for name in names
     }
     metrics = {"memory_read_bandwidth_gbs": m.bandwidth_gbs, **run_metrics}
     log_reports(parent_id, board, reports, runs, metrics)

@@ -1,1 +1,2 @@
-"""Stage logic of llmopt: pure functions, one module per pipeline stage."""
+"""Stage logic of llmopt: pure functions, grouped as the pipeline runs them — inputs/, build/, engines/ (every
+engine behind the Runtime contract), measure/, decide/, report/ — on top of config, errors and storage."""

@@ -122,6 +122,16 @@ class SelectConfig(Strict):
     confidence: Annotated[float, Field(gt=0.5, lt=1.0)] = 0.95
     bootstrap_resamples: Annotated[int, Field(ge=100, le=1_000_000)] = 2000
     seed: int = 0
+    objective: Literal["latency", "throughput", "memory"] = "latency"
+    # Constraints a winner must meet (None: no constraint).
+    max_ttft_ms: Annotated[float, Field(gt=0)] | None = None
+    max_rss_mb: Annotated[float, Field(gt=0)] | None = None
+    max_size_mb: Annotated[float, Field(gt=0)] | None = None
+    min_speedup: Annotated[float, Field(gt=0)] | None = None  # on the objective's speed, vs the baseline
+    # Champion vs challenger: production moves only when the challenger's objective beats it by this share, at
+    # `confidence`, over this many interleaved benchmark trials of the two.
+    min_improvement: Annotated[float, Field(ge=0.0, le=10.0)] = 0.05
+    duel_trials: Annotated[int, Field(ge=1, le=20)] = 3
 
 
 QuantizeMethod = Literal[

@@ -1,4 +1,8 @@
-"""register / promote: MLflow Model Registry versions and aliases, with lineage tags and a promotion gate."""
+"""register / promote: MLflow Model Registry versions and aliases, with lineage tags.
+
+Moving `production` goes through `move_production` only: it takes the registry lock, re-reads the alias, moves
+it, tags the version with the verdict and appends one history record (see `tasks.decide.history`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ from pathlib import Path
 
 import yaml
 
-from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import RegistryError
 
@@ -18,34 +21,18 @@ PRODUCTION = "production"
 
 
 @dataclass(frozen=True)
+class RegisteredVersion:
+    """What `production` points to: the version and the content hash of its variant bytes."""
+
+    version: str
+    content_hash: str
+
+
+@dataclass(frozen=True)
 class Registration:
     name: str
     version: str
     reused: bool
-
-
-@dataclass(frozen=True)
-class GateVerdict:
-    passed: bool
-    reason: str
-    ppl_ratio: float
-    threshold: float
-
-
-def gate_verdict(board: Leaderboard) -> GateVerdict:
-    """The evidence for promoting the winner: its accuracy verdict from selection, in words for the registry.
-
-    Selection only crowns a variant within budget (or the baseline), so a fresh winner passes; the verdict is
-    what the registry records and what `promote` obeys.
-    """
-    row = next(r for r in board.rows if r.score.variant == board.winner)
-    limit = 1 + board.max_ppl_increase
-    passed = row.within_budget
-    reason = (
-        f"perplexity ratio {row.ppl_ratio:.4f}, {board.confidence:.0%} CI upper bound {row.ppl_ratio_high:.4f} "
-        f"{'≤' if row.ppl_ratio_high <= limit else '>'} {limit:.4f}; cloze McNemar p {row.cloze_p_value:.2f}"
-    )
-    return GateVerdict(passed, reason, row.ppl_ratio, limit)
 
 
 def register_variant(
@@ -84,25 +71,6 @@ def register_variant(
     return Registration(model_name, str(version.version), reused=False)
 
 
-def promote(registration: Registration, verdict: GateVerdict) -> list[str]:
-    """Alias `candidate` always; `production` only when the gate passed. Returns the aliases set."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient()
-    name, version = registration.name, registration.version
-    client.set_model_version_tag(
-        name, version, "llmopt.gate", f"{'passed' if verdict.passed else 'refused'}: {verdict.reason}"
-    )
-    client.set_registered_model_alias(name, CANDIDATE, version)
-    if not verdict.passed:
-        return [CANDIDATE]
-    previous = current_version(name, PRODUCTION)
-    if previous is not None and previous != version:
-        client.set_model_version_tag(name, version, "llmopt.previous_production", previous)
-    client.set_registered_model_alias(name, PRODUCTION, version)
-    return [CANDIDATE, PRODUCTION]
-
-
 def current_version(model_name: str, alias: str) -> str | None:
     """The version an alias points to, or None when the model or alias does not exist."""
     from mlflow import MlflowClient
@@ -114,20 +82,75 @@ def current_version(model_name: str, alias: str) -> str | None:
         return None
 
 
+def production_version(model_name: str) -> RegisteredVersion | None:
+    """The current production version (None before the first promotion)."""
+    version = current_version(model_name, PRODUCTION)
+    return None if version is None else registered_version(model_name, version)
+
+
+def registered_version(model_name: str, version: str) -> RegisteredVersion:
+    """A registered version and the content hash of its bytes (a RegistryError when it does not exist)."""
+    return RegisteredVersion(version, version_tags(model_name, version).get("llmopt.content_hash", ""))
+
+
+def fetch_version(model_name: str, version: str, dest: Path) -> Path:
+    """The variant folder of `version` in `dest`: kept when its bytes still match their manifest, else downloaded
+    afresh (staged, so an interrupted download is never used)."""
+    from tasks.engines.manifest import MANIFEST_FILE, read_manifest
+    from tasks.storage import folder_sha256, staged_folder
+
+    for manifest_path in dest.glob(f"**/{MANIFEST_FILE}"):
+        folder = manifest_path.parent
+        if folder_sha256(folder, exclude=(MANIFEST_FILE,)) == read_manifest(folder).content_hash:
+            return folder
+    with staged_folder(dest) as staging:
+        relative = download_version(model_name, version, staging).relative_to(staging)
+    return dest / relative
+
+
+def set_candidate(registration: Registration) -> None:
+    """Alias `candidate`: this run's winner, promoted or not."""
+    from mlflow import MlflowClient
+
+    MlflowClient().set_registered_model_alias(registration.name, CANDIDATE, registration.version)
+
+
 def resolve_alias(model_name: str, alias: str, dest: Path) -> tuple[str, Path]:
     """Download `models:/<name>@<alias>` and return (version, folder of the variant inside it)."""
-    import mlflow
-
     version = current_version(model_name, alias)
     if version is None:
         raise RegistryError(f"no model version {model_name}@{alias} in the registry; run `llmopt run` first")
-    local = Path(mlflow.artifacts.download_artifacts(f"models:/{model_name}@{alias}", dst_path=str(dest)))
+    return version, download_version(model_name, version, dest)
+
+
+def download_version(model_name: str, version: str, dest: Path) -> Path:
+    """Download version `version` into `dest`; returns the folder of the variant inside it."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        local = Path(
+            mlflow.artifacts.download_artifacts(f"models:/{model_name}/{version}", dst_path=str(dest))
+        )
+    except MlflowException as exc:
+        raise RegistryError(f"{model_name} version {version}: {str(exc).splitlines()[0]}") from None
     mlmodel = yaml.safe_load((local / "MLmodel").read_text())
     try:
         relative = mlmodel["flavors"]["python_function"]["artifacts"][VARIANT_ARTIFACT]["path"]
     except (KeyError, TypeError):
-        raise RegistryError(f"{model_name}@{alias} (version {version}) was not logged by llmopt") from None
-    return version, local / relative
+        raise RegistryError(f"{model_name} version {version} was not logged by llmopt") from None
+    return local / relative
+
+
+def version_tags(model_name: str, version: str) -> dict[str, str]:
+    """The tags of one model version (content hash, lineage, gate verdict)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return dict(MlflowClient().get_model_version(model_name, version).tags)
+    except MlflowException:
+        raise RegistryError(f"no version {version} of {model_name} in the registry") from None
 
 
 def _versions(client, model_name: str) -> list:

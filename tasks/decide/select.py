@@ -1,13 +1,15 @@
-"""select: the leaderboard, and the fastest variant whose perplexity stays within the allowed increase."""
+"""select: the leaderboard, its Pareto frontier, and the variant the run's objective wants among those whose
+accuracy stays within budget and that meet the configured constraints."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tasks.config import SelectConfig
+from tasks.decide.frontier import Objective, pareto_frontier
 from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ComparisonError
@@ -40,6 +42,10 @@ class VariantScore:
     def top_batch(self) -> tuple[int, float]:
         """(largest measured batch size, its aggregate decode tok/s)."""
         return max(self.batch_decode_tok_s, default=(1, self.decode_tok_s))
+
+    def speed(self, objective: Objective) -> float:
+        """The decode speed an objective cares about: aggregate at the largest batch for throughput, else batch 1."""
+        return self.top_batch()[1] if objective == "throughput" else self.decode_tok_s
 
 
 def variant_score(
@@ -80,22 +86,35 @@ class LeaderboardRow:
     cloze_delta: float
     speedup: float
     within_budget: bool  # the upper confidence bound of the perplexity ratio is within the budget
+    failures: tuple[
+        str, ...
+    ] = ()  # why the row cannot win: accuracy budget, constraints (empty: it qualifies)
+    on_frontier: bool = False  # no other variant is as accurate, as fast (objective) and as small, and better
+
+    @property
+    def qualifies(self) -> bool:
+        return not self.failures
 
 
 @dataclass(frozen=True)
 class Leaderboard:
     rows: list[LeaderboardRow]
     baseline: str
-    winner: str
+    winner: str | None  # None: nothing qualifies (nothing is registered or promoted)
     max_ppl_increase: float
     confidence: float
+    objective: Objective = "latency"
+    reason: str = ""  # why the winner won, or why nothing did
+
+    def row(self, variant: str) -> LeaderboardRow:
+        return next(r for r in self.rows if r.score.variant == variant)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2) + "\n"
 
     def winner_summary(self) -> str:
         """One sentence on the winner, for the registry's version description."""
-        row = next(r for r in self.rows if r.score.variant == self.winner)
+        row = self.row(str(self.winner))
         return (
             f"{self.winner}: {row.score.decode_tok_s:.1f} decode tok/s ({row.speedup:.2f}× {self.baseline}), "
             f"perplexity {row.score.perplexity:.2f} (×{row.ppl_ratio:.3f}, {self.confidence:.0%} CI "
@@ -121,6 +140,7 @@ class Leaderboard:
                 "roofline_fraction": round(row.score.roofline_fraction, 4),
                 "size_mb": round(row.score.size_bytes / 1e6, 1),
                 "peak_rss_mb": round(row.score.peak_rss_mb, 1),
+                "on_frontier": int(row.on_frontier),
             }
             for row in self.rows
         }
@@ -128,16 +148,20 @@ class Leaderboard:
     def to_csv(self) -> str:
         buffer = io.StringIO()
         writer = csv.writer(buffer)
-        writer.writerow([*table_columns(self), "parameters", "within_budget"])
+        writer.writerow([*table_columns(self), "parameters", "within_budget", "on_frontier", "failures"])
         for cells, row in zip(table_cells(self), self.rows, strict=True):
-            writer.writerow([*cells, row.score.parameters, row.within_budget])
+            writer.writerow(
+                [*cells, row.score.parameters, row.within_budget, row.on_frontier, "; ".join(row.failures)]
+            )
         return buffer.getvalue()
 
     def to_markdown(self) -> str:
         columns = table_columns(self)
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(self)]
-        return "\n".join(lines) + f"\n\nWinner: **{self.winner}** (reference: {self.baseline}).\n"
+        legend = "★ winner, ◆ Pareto frontier (accuracy, speed, memory), ✗ outside the accuracy budget"
+        verdict = f"Winner: **{self.winner}**" if self.winner else "No winner"
+        return "\n".join(lines) + f"\n\n{legend}.\n\n{verdict} ({self.reason}; reference: {self.baseline}).\n"
 
 
 def table_columns(board: Leaderboard) -> list[str]:
@@ -165,7 +189,8 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
     cells = []
     for row in board.rows:
         s = row.score
-        mark = " ★" if s.variant == board.winner else ("" if row.within_budget else " ✗")
+        mark = (" ★" if s.variant == board.winner else "") + (" ◆" if row.on_frontier else "")
+        mark += "" if row.within_budget else " ✗"
         cells.append(
             [
                 s.variant + mark,
@@ -187,9 +212,10 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
 
 
 def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderboard:
-    """Rank by decode speed; the winner is the fastest variant whose perplexity ratio to the baseline stays
-    within the budget at the configured confidence (upper bound of the paired bootstrap interval) and whose cloze
-    accuracy is not significantly worse (McNemar exact test at the same confidence).
+    """Rank by the objective's key; the winner is the best qualifying variant: its perplexity ratio to the
+    baseline stays within the budget at the configured confidence (upper bound of the paired bootstrap
+    interval), its cloze accuracy is not significantly worse (McNemar exact test at the same confidence), and it
+    meets every configured constraint. The winner is on the frontier of the qualifying variants.
 
     The metrics are expected to have passed `validate_metrics_table` (finite, positive, all variants present).
     """
@@ -197,9 +223,49 @@ def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderbo
     if cfg.baseline not in by_name:
         raise ComparisonError(f"select: baseline {cfg.baseline!r} has no measurements")
     base = by_name[cfg.baseline]
-    rows = [_row(s, base, cfg) for s in sorted(scores, key=lambda s: s.decode_tok_s, reverse=True)]
-    winner = next(row.score.variant for row in rows if row.within_budget)
-    return Leaderboard(rows, cfg.baseline, winner, cfg.max_ppl_increase, cfg.confidence)
+    rows = sorted(
+        (_row(s, base, cfg) for s in scores), key=lambda r: objective_key(r, cfg.objective), reverse=True
+    )
+    frontier = set(pareto_frontier({r.score.variant: _point(r, cfg.objective) for r in rows}))
+    rows = [replace(r, on_frontier=r.score.variant in frontier) for r in rows]
+    qualifying = [r for r in rows if r.qualifies]
+    winner = qualifying[0].score.variant if qualifying else None
+    board = Leaderboard(rows, cfg.baseline, winner, cfg.max_ppl_increase, cfg.confidence, cfg.objective)
+    return replace(board, reason=_reason(board, len(qualifying)))
+
+
+def objective_key(row: LeaderboardRow, objective: Objective) -> tuple[float, ...]:
+    """Larger is better: the objective's measure, then accuracy and memory break ties."""
+    s = row.score
+    if objective == "memory":
+        return (-s.peak_rss_mb, -s.size_bytes, s.decode_tok_s, -row.ppl_ratio)
+    return (s.speed(objective), -row.ppl_ratio, -s.peak_rss_mb)
+
+
+def _point(row: LeaderboardRow, objective: Objective) -> tuple[float, float, float]:
+    speed = row.score.speed("throughput" if objective == "throughput" else "latency")
+    return (row.ppl_ratio, speed, row.score.peak_rss_mb)
+
+
+def _reason(board: Leaderboard, qualifying: int) -> str:
+    if board.winner is not None:
+        return f"best {board.objective} of {qualifying} qualifying variant{'s' if qualifying != 1 else ''}"
+    details = "; ".join(f"{r.score.variant}: {', '.join(r.failures)}" for r in board.rows)
+    return f"no variant qualifies ({details})"
+
+
+def constraint_failures(score: VariantScore, speedup: float, cfg: SelectConfig) -> list[str]:
+    """The configured constraints `score` breaks, in words."""
+    failures = []
+    if cfg.max_ttft_ms is not None and score.ttft_ms > cfg.max_ttft_ms:
+        failures.append(f"TTFT {score.ttft_ms:.0f} ms > max_ttft_ms {cfg.max_ttft_ms:g}")
+    if cfg.max_rss_mb is not None and score.peak_rss_mb > cfg.max_rss_mb:
+        failures.append(f"peak RSS {score.peak_rss_mb:.0f} MB > max_rss_mb {cfg.max_rss_mb:g}")
+    if cfg.max_size_mb is not None and score.size_bytes / 1e6 > cfg.max_size_mb:
+        failures.append(f"size {score.size_bytes / 1e6:.0f} MB > max_size_mb {cfg.max_size_mb:g}")
+    if cfg.min_speedup is not None and speedup < cfg.min_speedup:
+        failures.append(f"speedup {speedup:.2f} < min_speedup {cfg.min_speedup:g}")
+    return failures
 
 
 def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> LeaderboardRow:
@@ -215,6 +281,9 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
     cloze = mcnemar_exact(list(base.cloze_correct), list(score.cloze_correct))
     significantly_worse = cloze.accuracy_delta < 0 and cloze.p_value < 1 - cfg.confidence
     is_baseline = score.variant == cfg.baseline
+    within_budget = is_baseline or (interval.high <= 1 + cfg.max_ppl_increase and not significantly_worse)
+    failures = [] if within_budget else [_accuracy_failure(interval.high, cloze.p_value, cfg)]
+    speedup = score.speed(cfg.objective) / base.speed(cfg.objective)
     return LeaderboardRow(
         score=score,
         ppl_ratio=interval.ratio,
@@ -222,6 +291,14 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
         ppl_ratio_high=interval.high,
         cloze_p_value=cloze.p_value,
         cloze_delta=cloze.accuracy_delta,
-        speedup=score.decode_tok_s / base.decode_tok_s,
-        within_budget=is_baseline or (interval.high <= 1 + cfg.max_ppl_increase and not significantly_worse),
+        speedup=speedup,
+        within_budget=within_budget,
+        failures=tuple(failures + constraint_failures(score, speedup, cfg)),
     )
+
+
+def _accuracy_failure(ppl_high: float, cloze_p: float, cfg: SelectConfig) -> str:
+    limit = 1 + cfg.max_ppl_increase
+    if ppl_high > limit:
+        return f"perplexity ratio CI upper bound {ppl_high:.3f} > {limit:.3f}"
+    return f"cloze accuracy significantly worse (McNemar p {cloze_p:.3f})"

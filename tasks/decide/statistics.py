@@ -71,3 +71,19 @@ def mcnemar_exact(baseline_correct: list[bool], variant_correct: list[bool]) -> 
     tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n if n else 1.0
     delta = (c - b) / len(baseline_correct) if baseline_correct else 0.0
     return McNemarResult(b, c, min(1.0, 2 * tail), delta)
+
+
+def paired_speed_ratio(
+    champion: list[float], challenger: list[float], resamples: int, confidence: float, seed: int
+) -> RatioInterval:
+    """Geometric-mean ratio challenger ÷ champion of paired measurements (higher is better for both), with a
+    percentile bootstrap interval. Pair i comes from back-to-back runs of the two, so a slow spell of the machine
+    hits both sides of a pair."""
+    if len(champion) != len(challenger) or not champion:
+        raise ComparisonError("cannot pair speeds: the two models were not measured the same number of times")
+    logs = np.log(np.asarray(challenger, dtype=np.float64)) - np.log(np.asarray(champion, dtype=np.float64))
+    rng = np.random.default_rng(seed)
+    means = logs[rng.integers(0, len(logs), size=(resamples, len(logs)))].mean(axis=1)
+    tail = (1 - confidence) / 2
+    low, high = np.exp(np.quantile(means, [tail, 1 - tail]))
+    return RatioInterval(float(np.exp(logs.mean())), float(low), float(high), confidence)

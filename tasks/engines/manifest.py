@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tasks.config import RuntimeSettings
 from tasks.errors import ModelSourceError
+from tasks.storage import file_sha256
 
 MANIFEST_FILE = "manifest.json"
 
@@ -49,3 +50,9 @@ def read_manifest(folder: Path) -> VariantManifest:
         raise ModelSourceError(f"{folder}: no {MANIFEST_FILE}; not an llmopt variant folder") from None
     except (ValueError, TypeError) as exc:
         raise ModelSourceError(f"{path}: unreadable manifest ({exc})") from None
+
+
+def same_tokenizer(folder: Path, other: Path) -> bool:
+    """Whether two variant folders carry byte-identical tokenizers (so the same text gives the same ids)."""
+    files = [folder / "tokenizer.json", other / "tokenizer.json"]
+    return all(f.is_file() for f in files) and file_sha256(files[0]) == file_sha256(files[1])

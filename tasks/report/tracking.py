@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tasks.config import Config, TrackingConfig, VariantConfig
+from tasks.config import Config, TrackingConfig
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.measure.benchmark import BenchmarkResult
@@ -52,9 +52,9 @@ def parent_run(
     from mlflow.entities import Param
 
     client = MlflowClient()
-    run = client.create_run(
-        experiment_id, run_name=f"{kind}-{config.project.name}", tags={"llmopt.kind": kind}
-    )
+    mark_ghost_runs(experiment_id)
+    tags = {"llmopt.kind": kind, **process_tags()}
+    run = client.create_run(experiment_id, run_name=f"{kind}-{config.project.name}", tags=tags)
     run_id = run.info.run_id
     try:
         client.log_dict(run_id, config.model_dump(mode="json"), "config.json")
@@ -68,6 +68,43 @@ def parent_run(
         client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
+
+
+def process_tags() -> dict[str, str]:
+    """Where a run runs: the host and the process (id and start time, so a reused pid is not mistaken for it)."""
+    import socket
+
+    import psutil
+
+    me = psutil.Process()
+    return {
+        "llmopt.host": socket.gethostname(),
+        "llmopt.pid": str(me.pid),
+        "llmopt.pid_started": str(me.create_time()),
+    }
+
+
+def mark_ghost_runs(experiment_id: str) -> list[str]:
+    """Runs left RUNNING by a process of this host that is gone (killed, SIGKILL included) become KILLED."""
+    import socket
+
+    import psutil
+    from mlflow import MlflowClient
+
+    client, host, ghosts = MlflowClient(), socket.gethostname(), []
+    running = client.search_runs(
+        [experiment_id], f"attributes.status = 'RUNNING' and tags.`llmopt.host` = '{host}'", max_results=1000
+    )
+    for run in running:
+        pid, started = int(run.data.tags.get("llmopt.pid", "0")), run.data.tags.get("llmopt.pid_started")
+        try:
+            alive = str(psutil.Process(pid).create_time()) == started
+        except (psutil.NoSuchProcess, ValueError):
+            alive = False
+        if not alive:
+            client.set_terminated(run.info.run_id, "KILLED")
+            ghosts.append(run.info.run_id)
+    return ghosts
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -84,7 +121,6 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def log_variant_run(
     experiment_id: str,
     parent_run_id: str,
-    variant: VariantConfig,
     manifest: VariantManifest,
     evaluation: VariantEvaluation,
     bench: BenchmarkResult,
@@ -100,7 +136,7 @@ def log_variant_run(
         tags={"mlflow.parentRunId": parent_run_id, "llmopt.kind": "variant", "llmopt.variant": manifest.name},
     )
     params = {
-        "steps": ",".join(step.kind for step in variant.steps) or "none",
+        "steps": ",".join(next(iter(step)) for step in manifest.recipe.get("steps", [])) or "none",
         "dtype": manifest.dtype,
         "weights_format": manifest.weights_format,
         "engine": manifest.engine,
@@ -191,10 +227,12 @@ def log_reports(
         client.log_batch(variant_runs[row.score.variant], metrics=metrics)
     for path in reports:
         client.log_artifact(parent_run_id, str(path), artifact_path="reports")
-    client.set_tag(parent_run_id, "llmopt.winner", board.winner)
-    winner = next(row for row in board.rows if row.score.variant == board.winner)
-    client.log_metric(parent_run_id, "winner_decode_tok_s", winner.score.decode_tok_s)
-    client.log_metric(parent_run_id, "winner_speedup", winner.speedup)
-    client.log_metric(parent_run_id, "winner_ppl_ratio", winner.ppl_ratio)
+    client.set_tag(parent_run_id, "llmopt.winner", board.winner or "none")
+    client.set_tag(parent_run_id, "llmopt.selection", board.reason[:5000])
+    if board.winner is not None:
+        winner = board.row(board.winner)
+        client.log_metric(parent_run_id, "winner_decode_tok_s", winner.score.decode_tok_s)
+        client.log_metric(parent_run_id, "winner_speedup", winner.speedup)
+        client.log_metric(parent_run_id, "winner_ppl_ratio", winner.ppl_ratio)
     for key, value in run_metrics.items():
         client.log_metric(parent_run_id, key, value)

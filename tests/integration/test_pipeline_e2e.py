@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -102,18 +103,76 @@ def test_dvc_is_clean_up_to_date_and_pushes_weights(project):
     assert any((root.parent / "dvc-remote").rglob("*"))
 
 
-def test_rerun_registers_each_distinct_winner_once(project):
-    """Speeds of a tiny model are noisy, so the winner may change; identical bytes must never get a new version."""
+def test_a_slower_second_run_leaves_production_then_forced_promotion_and_rollback_are_recorded(project):
+    """Run 2 against the same store offers only slower variants: production must not move. Then a forced
+    promotion and a rollback; `llmopt history` lists the four decisions with their reasons."""
     root, _ = project
     client = mlflow_client(root)
-    first_winner = client.get_model_version_by_alias("tiny-test", "production").tags["llmopt.variant"]
-    result = run(root, "llmopt", "run")
-    winner = json.loads((root / ".llmopt/reports/leaderboard.json").read_text())["winner"]
-    versions = client.search_model_versions("name='tiny-test'")
-    hashes = [v.tags["llmopt.content_hash"] for v in versions]
-    assert len(hashes) == len(set(hashes)) == (1 if winner == first_winner else 2)
-    if winner == first_winner:
-        assert "version 1 (same bytes as before, reused)" in result.stderr
+    first = client.get_model_version_by_alias("tiny-test", "production")
+    assert (
+        first.tags["llmopt.variant"] == "onnx_int8"
+    )  # ORT int8 decodes the tiny model far faster than torch
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["variants"] = {"baseline": {}, "bf16": {"runtime": {"dtype": "bfloat16"}}}
+    (root / "slower.yaml").write_text(yaml.safe_dump(params, sort_keys=False))  # same store, same model
+    second = run(root, "llmopt", "run", "-p", "slower.yaml")
+    last_line = second.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("production unchanged: ") and "production v1" in last_line, second.stderr[
+        -3000:
+    ]
+    assert client.get_model_version_by_alias("tiny-test", "production").version == first.version
+    runs = client.search_runs(
+        [client.get_experiment_by_name("llmopt").experiment_id], "tags.`llmopt.kind` = 'pipeline'"
+    )
+    assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
+
+    baseline_version = register_baseline(root)
+    forced = run(root, "llmopt", "promote", baseline_version, "--force", "--reason", "fp32 for an audit")
+    assert f"production → v{baseline_version} (forced: fp32 for an audit)" in forced.stderr
+    refused = run(root, "llmopt", "promote", "1", "--force", check=False)
+    assert (
+        refused.returncode == 2
+        and "--force needs --reason" in refused.stderr
+        and "Traceback" not in refused.stderr
+    )
+    back = run(root, "llmopt", "rollback", "--reason", "audit done")
+    assert f"production → v{first.version} (rollback: audit done)" in back.stderr
+    shown = " ".join(run(root, "llmopt", "history").stdout.split())
+    for reason in ("no production version yet", "nothing to move", "fp32 for an audit", "audit done"):
+        assert reason in shown, shown
+    moves = production_history(root)
+    assert [(m.kind, m.moved) for m in moves] == [
+        ("gate", True),
+        ("gate", False),
+        ("forced", True),
+        ("rollback", True),
+    ]
+    assert moves[3].from_version == baseline_version and moves[3].to_version == str(first.version)
+
+
+def production_history(root: Path) -> list:
+    import mlflow
+
+    from tasks.decide.history import history
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    mlflow.set_registry_uri(uri)
+    mlflow.set_tracking_uri(uri)
+    return history("tiny-test")
+
+
+def register_baseline(root: Path) -> str:
+    """Register the baseline variant of run 1 as a new version (what `llmopt run` does for a winner)."""
+    script = (
+        "import sys; from pathlib import Path; import mlflow; "
+        "from tasks.decide.registry import register_variant; from tasks.engines.manifest import read_manifest; "
+        "uri = 'sqlite:///' + str(Path('mlflow.db').resolve()); mlflow.set_tracking_uri(uri); mlflow.set_registry_uri(uri); "
+        "folder = Path('.llmopt/variants/baseline'); "
+        "run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name('llmopt').experiment_id).info.run_id; "
+        "print(register_variant('tiny-test', folder, read_manifest(folder), run, {}, 'baseline').version); "
+        "mlflow.MlflowClient().set_terminated(run)"
+    )
+    return run(root, sys.executable, "-c", script).stdout.strip().splitlines()[-1]
 
 
 def test_bench_reuses_evaluations_reports_spread_and_refuses_another_machine(project):

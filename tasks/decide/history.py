@@ -1,0 +1,167 @@
+"""Production moves: one lock for every writer, one history record per decision, rollback.
+
+MLflow keeps no history of alias moves and has no compare-and-set for aliases. So:
+- every move takes a registry lock: a registered model named `<model>.llmopt-lock`, created to acquire
+  (creation is unique in every MLflow store, the embedded one and a shared tracking server alike) and deleted to
+  release; a lock whose holder process on this host is gone is broken;
+- under the lock the alias is read again: if production moved since the decision was made, nothing moves and the
+  lost race is recorded;
+- every decision (moved or not) is one registered-model tag `llmopt.history.<ns>-<random>` holding a JSON record,
+  a unique key per record: concurrent writers never overwrite each other, and the MLflow UI shows the tags on the
+  model's page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from tasks.decide.registry import PRODUCTION, current_version
+from tasks.errors import RegistryError
+
+HISTORY_PREFIX = "llmopt.history."
+LOCK_SUFFIX = ".llmopt-lock"
+LOCK_TIMEOUT_S = 120.0
+MAX_REASON = 2000  # registry tag values are limited (5000 characters)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One decision about `production`: what moved (or why not), who decided, when."""
+
+    time: str  # ISO 8601, UTC
+    actor: str  # "run <mlflow run id>", "llmopt promote", "llmopt rollback"
+    kind: str  # "gate" (the champion/challenger gate), "forced", "rollback", "lost-race"
+    from_version: str | None
+    to_version: str | None
+    moved: bool
+    reason: str
+
+
+def record(model_name: str, move: Move) -> None:
+    """Append one history record (a tag with a key of its own)."""
+    from mlflow import MlflowClient
+
+    key = f"{HISTORY_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+    value = json.dumps({**asdict(move), "reason": move.reason[:MAX_REASON]}, sort_keys=True)
+    MlflowClient().set_registered_model_tag(model_name, key, value)
+
+
+def record_refusal(
+    model_name: str, actor: str, from_version: str | None, to_version: str | None, reason: str
+) -> None:
+    """Record a gate decision that left production where it was."""
+    record(model_name, Move(_now(), actor, "gate", from_version, to_version, False, reason))
+
+
+def history(model_name: str) -> list[Move]:
+    """Every recorded decision about `production`, oldest first."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        tags = MlflowClient().get_registered_model(model_name).tags
+    except MlflowException:
+        raise RegistryError(f"no registered model {model_name!r}; run `llmopt run` first") from None
+    return [Move(**json.loads(tags[key])) for key in sorted(k for k in tags if k.startswith(HISTORY_PREFIX))]
+
+
+def move_production(
+    model_name: str,
+    to_version: str,
+    expected_from: str | None,
+    actor: str,
+    kind: str,
+    reason: str,
+    gate_tag: str,
+) -> bool:
+    """Move `production` to `to_version` if it still points where the decision saw it; record either way."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    with registry_lock(model_name, actor):
+        current = current_version(model_name, PRODUCTION)
+        if current != expected_from:
+            lost = f"production moved from {_v(expected_from)} to {_v(current)} while this was decided; not moved"
+            record(
+                model_name, Move(_now(), actor, "lost-race", current, to_version, False, f"{lost}. {reason}")
+            )
+            return False
+        client.set_model_version_tag(model_name, to_version, "llmopt.gate", gate_tag[:MAX_REASON])
+        if current is not None and current != to_version:
+            client.set_model_version_tag(model_name, to_version, "llmopt.previous_production", current)
+        client.set_registered_model_alias(model_name, PRODUCTION, to_version)
+        record(model_name, Move(_now(), actor, kind, current, to_version, True, reason))
+    return True
+
+
+def rollback_target(model_name: str) -> tuple[str, str]:
+    """(current production, the version production pointed to before the move that made it current)."""
+    current = current_version(model_name, PRODUCTION)
+    for move in reversed(history(model_name)):
+        if move.moved and move.to_version == current and move.from_version is not None:
+            return current, move.from_version
+    raise RegistryError(f"{model_name}: no earlier production version to roll back to (see `llmopt history`)")
+
+
+@contextlib.contextmanager
+def registry_lock(model_name: str, holder: str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the model's registry lock for the body (waits up to `timeout_s` for another holder)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client, lock = MlflowClient(), model_name + LOCK_SUFFIX
+    deadline = time.monotonic() + timeout_s
+    tags = {"llmopt.lock.holder": holder, "llmopt.lock.host": socket.gethostname()}
+    tags |= {"llmopt.lock.pid": str(os.getpid()), "llmopt.lock.since": _now()}
+    while True:
+        try:
+            client.create_registered_model(
+                lock, tags=tags, description="llmopt: a production move is under way"
+            )
+            break
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            if _stale(client, lock):
+                with contextlib.suppress(MlflowException):
+                    client.delete_registered_model(lock)
+                continue
+            if time.monotonic() > deadline:
+                raise RegistryError(
+                    f"{model_name}: another production move holds the registry lock ({lock})"
+                ) from None
+            time.sleep(0.2)
+    try:
+        yield
+    finally:
+        client.delete_registered_model(lock)
+
+
+def _stale(client: object, lock: str) -> bool:
+    """The lock's holder ran on this host and its process is gone."""
+    import psutil
+    from mlflow.exceptions import MlflowException
+
+    try:
+        tags = client.get_registered_model(lock).tags  # type: ignore[attr-defined]
+    except MlflowException:
+        return False  # released meanwhile: try again
+    if tags.get("llmopt.lock.host") != socket.gethostname():
+        return False
+    return not psutil.pid_exists(int(tags.get("llmopt.lock.pid", "0")))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _v(version: str | None) -> str:
+    return f"v{version}" if version is not None else "none"

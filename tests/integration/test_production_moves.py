@@ -1,0 +1,116 @@
+"""Production moves on a real MLflow registry (SQLite): the lock, lost races, history, rollback, ghost runs."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tasks.decide.history import LOCK_SUFFIX, history, move_production, registry_lock, rollback_target
+from tasks.decide.registry import PRODUCTION, current_version
+from tasks.errors import RegistryError
+from tasks.report.tracking import mark_ghost_runs, process_tags
+
+MODEL = "moves"
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """A fresh SQLite tracking + registry store with one model and three versions."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    client = MlflowClient()
+    client.create_registered_model(MODEL)
+    for index in range(3):
+        (tmp_path / f"v{index}").mkdir()
+        client.create_model_version(
+            MODEL, (tmp_path / f"v{index}").as_uri(), tags={"llmopt.content_hash": f"h{index}"}
+        )
+    yield client
+    mlflow.set_tracking_uri(previous[0])
+    mlflow.set_registry_uri(previous[1])
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_two_moves_decided_on_the_same_production_leave_one_production_and_two_records(registry):
+    move_production(MODEL, "1", None, "setup", "gate", "first promotion", "passed: first")
+    barrier = threading.Barrier(2)
+    results = {}
+
+    def decide_then_move(version: str) -> None:
+        seen = current_version(MODEL, PRODUCTION)  # the check ...
+        barrier.wait()  # ... both decided on v1 before either moves
+        results[version] = move_production(
+            MODEL, version, seen, f"thread {version}", "gate", "faster", "passed"
+        )
+
+    threads = [threading.Thread(target=decide_then_move, args=(v,)) for v in ("2", "3")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(results.values()) == [False, True]
+    winner = next(v for v, moved in results.items() if moved)
+    assert current_version(MODEL, PRODUCTION) == winner
+    moves = history(MODEL)[1:]
+    assert len(moves) == 2 and sorted(m.kind for m in moves) == ["gate", "lost-race"]
+    lost = next(m for m in moves if m.kind == "lost-race")
+    assert not lost.moved and f"production moved from v1 to v{winner}" in lost.reason
+    assert MODEL + LOCK_SUFFIX not in {m.name for m in registry.search_registered_models()}  # released
+
+
+def test_rollback_returns_to_the_version_before_the_last_move(registry):
+    move_production(MODEL, "1", None, "run a", "gate", "first", "passed")
+    move_production(MODEL, "2", "1", "run b", "gate", "faster", "passed")
+    assert rollback_target(MODEL) == ("2", "1")
+    move_production(
+        MODEL, "1", "2", "llmopt rollback", "rollback", "v2 misbehaves", "rollback: v2 misbehaves"
+    )
+    assert current_version(MODEL, PRODUCTION) == "1"
+    assert [(m.kind, m.from_version, m.to_version) for m in history(MODEL)] == [
+        ("gate", None, "1"),
+        ("gate", "1", "2"),
+        ("rollback", "2", "1"),
+    ]
+    assert registry.get_model_version(MODEL, "1").tags["llmopt.gate"] == "rollback: v2 misbehaves"
+
+
+def test_rollback_without_an_earlier_production_is_a_clear_error(registry):
+    move_production(MODEL, "1", None, "run a", "gate", "first", "passed")
+    with pytest.raises(RegistryError, match="no earlier production version to roll back to"):
+        rollback_target(MODEL)
+
+
+def test_a_lock_left_by_a_dead_process_is_broken_and_a_live_holder_makes_others_wait(registry):
+    tags = {"llmopt.lock.host": socket.gethostname(), "llmopt.lock.pid": str(dead_pid())}
+    registry.create_registered_model(MODEL + LOCK_SUFFIX, tags=tags)
+    held = pytest.raises(RegistryError, match="another production move holds the registry lock")
+    with registry_lock(MODEL, "me"), held, registry_lock(MODEL, "someone else", timeout_s=0.5):
+        pass
+
+
+def test_runs_left_running_by_a_dead_process_of_this_host_are_marked_killed(registry):
+    experiment = registry.create_experiment("ghosts")
+    ghost_tags = {**process_tags(), "llmopt.pid": str(dead_pid())}
+    ghost = registry.create_run(experiment, tags=ghost_tags).info.run_id
+    alive = registry.create_run(experiment, tags=process_tags()).info.run_id
+    elsewhere = registry.create_run(
+        experiment, tags={**ghost_tags, "llmopt.host": "another-host"}
+    ).info.run_id
+    assert mark_ghost_runs(experiment) == [ghost]
+    statuses = {run: registry.get_run(run).info.status for run in (ghost, alive, elsewhere)}
+    assert statuses == {ghost: "KILLED", alive: "RUNNING", elsewhere: "RUNNING"}
