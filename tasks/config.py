@@ -132,6 +132,9 @@ class SelectConfig(Strict):
     # `confidence`, over this many interleaved benchmark trials of the two.
     min_improvement: Annotated[float, Field(ge=0.0, le=10.0)] = 0.05
     duel_trials: Annotated[int, Field(ge=1, le=20)] = 3
+    # ... and only if its perplexity is not above production's by more than this share with confidence (smaller
+    # differences are numerics: an fp32 model in another engine differs from its torch twin by ~1e-6)
+    ppl_tolerance_vs_production: Annotated[float, Field(ge=0.0, le=1.0)] = 0.005
 
 
 QuantizeMethod = Literal[

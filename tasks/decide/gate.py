@@ -4,7 +4,7 @@ both measured in the same run, on the same evaluation windows and the same machi
 The challenger moves `production` only when, on the run's objective, it beats the champion with confidence (the
 lower bound of the paired speed-ratio interval above 1 + `select.min_improvement`), it is within the accuracy
 budget against the baseline (selection made sure), and it is not significantly less accurate than the champion
-(paired bootstrap on the perplexity windows, McNemar on cloze). A champion built on another tokenizer cannot be
+(paired bootstrap on the perplexity windows beyond `select.ppl_tolerance_vs_production`, McNemar on cloze). A champion built on another tokenizer cannot be
 paired: each model is then held to its own baseline budget only, and the verdict says so.
 """
 
@@ -131,9 +131,10 @@ def _accuracy_problems(
         cloze_p_vs_champion=cloze.p_value,
     )
     problems = []
-    if ppl.low > 1.0:
+    if ppl.low > 1 + cfg.ppl_tolerance_vs_production:
         problems.append(
-            f"perplexity ×{ppl.ratio:.3f} of production (CI {ppl.low:.3f}–{ppl.high:.3f}: significantly worse)"
+            f"perplexity ×{ppl.ratio:.3f} of production (CI {ppl.low:.3f}–{ppl.high:.3f}: significantly worse "
+            f"than the {cfg.ppl_tolerance_vs_production:.1%} tolerance)"
         )
     if cloze.accuracy_delta < 0 and cloze.p_value < 1 - cfg.confidence:
         problems.append(f"cloze {cloze.accuracy_delta:+.1%} vs production (McNemar p {cloze.p_value:.3f})")

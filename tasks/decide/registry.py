@@ -12,10 +12,23 @@ from pathlib import Path
 
 import yaml
 
-from tasks.engines.manifest import VariantManifest
+from tasks.engines.manifest import VARIANT_ARTIFACT, VariantManifest
 from tasks.errors import RegistryError
 
-VARIANT_ARTIFACT = "variant"  # the artifact key pyfunc_model.py reads
+# What every registered model needs to load and serve through its Runtime, pinned to this environment's
+# versions: MLflow's scoring server, the tokenizer and both engines (so versions share one serving environment).
+SERVING_PACKAGES = (
+    "mlflow",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "pydantic",
+    "pyyaml",
+    "onnxruntime",
+    "onnxruntime-genai",
+)
 CANDIDATE = "candidate"
 PRODUCTION = "production"
 
@@ -46,6 +59,7 @@ def register_variant(
     """Log the variant's weights as a pyfunc model in its run and register it; identical bytes reuse a version."""
     import mlflow
     from mlflow import MlflowClient
+    from mlflow.models import infer_signature
 
     client = MlflowClient()
     for existing in _versions(client, model_name):
@@ -56,7 +70,11 @@ def register_variant(
             name="model",
             python_model=str(Path(__file__).with_name("pyfunc_model.py")),
             artifacts={VARIANT_ARTIFACT: str(variant_dir)},
-            pip_requirements=[f"{p}=={metadata.version(p)}" for p in ("torch", "transformers", "mlflow")],
+            code_paths=[
+                str(Path(__file__).parents[1])
+            ],  # the tasks package: the engines travel with the model
+            pip_requirements=model_requirements(manifest),
+            signature=infer_signature(["a prompt"], ["its completion"], params={"max_new_tokens": 64}),
         )
     all_tags = {
         **tags,
@@ -69,6 +87,22 @@ def register_variant(
     version = mlflow.register_model(info.model_uri, model_name, tags=all_tags)
     client.update_model_version(model_name, version.version, description=description)
     return Registration(model_name, str(version.version), reused=False)
+
+
+def model_requirements(manifest: VariantManifest) -> list[str]:
+    """Pinned pip requirements of a registered variant: the serving packages plus its weights format's backend."""
+    from tasks.engines.torch_weights import QUANTO, TRANSFORMERS_QUANTIZED
+
+    packages = list(SERVING_PACKAGES)
+    methods = [step["quantize"]["method"] for step in manifest.recipe.get("steps", []) if "quantize" in step]
+    if manifest.weights_format == QUANTO:
+        packages.append("optimum-quanto")
+    if manifest.weights_format == TRANSFORMERS_QUANTIZED:
+        packages += ["accelerate", "torchao" if methods[0].startswith("torchao") else "bitsandbytes"]
+    if manifest.recipe.get("runtime", {}).get("engine") == "deepspeed":
+        packages.append("deepspeed")
+    # a local label such as +cpu is dropped: `==2.13.0` accepts the CPU wheel here and the PyPI release elsewhere
+    return [f"{package}=={metadata.version(package).split('+')[0]}" for package in packages]
 
 
 def current_version(model_name: str, alias: str) -> str | None:

@@ -11,6 +11,7 @@ from tasks.errors import ModelSourceError
 from tasks.storage import file_sha256
 
 MANIFEST_FILE = "manifest.json"
+VARIANT_ARTIFACT = "variant"  # the artifact under which a registered MLflow model carries its variant folder
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,29 @@ def production_history(root: Path) -> list:
     return history("tiny-test")
 
 
+def test_a_faster_equally_accurate_challenger_beats_a_slow_production_and_is_promoted(project):
+    """Production forced to the slow fp32 baseline; a run offering the same model in ONNX Runtime GenAI fp32 wins
+    the duel (interleaved trials, speed-ratio interval) and passes the accuracy checks against production."""
+    root, _ = project
+    client = mlflow_client(root)
+    baseline_version = next(
+        str(v.version)
+        for v in client.search_model_versions("name='tiny-test'")
+        if v.tags["llmopt.variant"] == "baseline"
+    )
+    run(root, "llmopt", "promote", baseline_version, "--force", "--reason", "start from the slow model")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["variants"] = {"baseline": {}, "onnx_fp32": {"steps": [{"onnx_genai": {"precision": "fp32"}}]}}
+    (root / "faster.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = run(root, "llmopt", "run", "-p", "faster.yaml")
+    production = client.get_model_version_by_alias("tiny-test", "production")
+    assert production.tags["llmopt.variant"] == "onnx_fp32", result.stderr[-3000:]
+    verdict = json.loads(production.tags["llmopt.verdict"])
+    assert verdict["champion_version"] == baseline_version and verdict["speed_ratio_ci"][0] > 1.05
+    assert verdict["fingerprint"] and abs(verdict["ppl_ratio_vs_champion"] - 1) < 1e-3
+    assert f"beats production v{baseline_version}" in result.stderr.strip().splitlines()[-1]
+
+
 def register_baseline(root: Path) -> str:
     """Register the baseline variant of run 1 as a new version (what `llmopt run` does for a winner)."""
     script = (
@@ -244,3 +267,53 @@ def test_server_answers_completions_from_the_production_alias(project):
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_registered_versions_serve_from_an_environment_mlflow_builds_outside_the_checkout(project, tmp_path):
+    """`mlflow models serve --env-manager virtualenv` from a folder where `import tasks` fails: the model carries
+    its engine code and pinned requirements. Production (ONNX Runtime GenAI) and the baseline version (PyTorch)
+    share one environment, built once."""
+    root, _ = project
+    client = mlflow_client(root)
+    versions = {
+        v.tags["llmopt.variant"]: str(v.version) for v in client.search_model_versions("name='tiny-test'")
+    }
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    env = {k: v for k, v in project_env(root).items() if k != "PYTHONPATH"}
+    env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", MLFLOW_ENV_ROOT=str(tmp_path / "envs"))
+    for uri in ("models:/tiny-test@production", f"models:/tiny-test/{versions['baseline']}"):
+        port = free_port()
+        command = ["mlflow", "models", "serve", "-m", uri, "--env-manager", "virtualenv", "-p", str(port)]
+        server = subprocess.Popen(
+            command,
+            cwd=outside,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            body = {"inputs": ["The river walks the"], "params": {"max_new_tokens": 3}}
+            reply = wait_for_prediction(server, f"http://127.0.0.1:{port}/invocations", body, timeout_s=600)
+            (text,) = reply["predictions"]
+            assert isinstance(text, str) and len(text.split()) <= 3, (uri, text)
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+    (built,) = (tmp_path / "envs").glob("mlflow-*/bin/python")  # one environment served both versions
+    probe = "import mlflow, onnxruntime_genai, torch; import tasks"
+    result = subprocess.run([str(built), "-c", probe], cwd=outside, env=env, capture_output=True, text=True)
+    assert "No module named 'tasks'" in result.stderr  # llmopt is not installed there: the model brought it
+
+
+def wait_for_prediction(server: subprocess.Popen, url: str, body: dict, timeout_s: float) -> dict:
+    """POST `body` once the server answers (it first builds its environment), bounded by `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            return httpx.post(url, json=body, timeout=60).raise_for_status().json()
+        except httpx.TransportError:
+            time.sleep(1)  # polling for readiness, bounded by the deadline
+    raise AssertionError(server.stdout.read().decode()[-4000:] if server.poll() is not None else "no answer")

@@ -141,3 +141,15 @@ def test_objective_samples_follow_the_objective():
     assert objective_samples(measured, "latency") == STEADY[:3]
     assert objective_samples(measured, "throughput") == [250.0] * 3
     assert objective_samples(measured, "memory") == [1 / 400.0]
+
+
+def test_a_numerically_equal_twin_in_a_faster_engine_is_not_refused_for_accuracy():
+    """An fp32 model in another engine scores ~1e-6 apart from its torch twin on every window: not a loss."""
+    champion_score, twin = score("production-v1", 1.0, 100), score("onnx_fp32", 1.000001, 300)
+    verdict = judge(
+        board_with(champion_score, twin),
+        Champion("1", "production-v1", champion_score, trials(STEADY)),
+        trials([s * 3 for s in STEADY]),
+        SelectConfig(),
+    )
+    assert verdict.evidence["ppl_ratio_vs_champion_ci"][0] > 1.0 and verdict.passed
