@@ -64,9 +64,10 @@ def judge(
     if champion is None:
         return Verdict(True, f"no production version yet; {winner}: {board.reason}", winner, None)
     if champion.name == winner:
-        reason = (
-            f"production v{champion.version} ({winner}) is still the best {board.objective}; nothing to move"
+        same = (
+            "" if winner == f"production-v{champion.version}" else f" (the same bytes as this run's {winner})"
         )
+        reason = f"production v{champion.version}{same} is still the best {board.objective} of this run; nothing to move"
         return Verdict(False, reason, winner, champion.version)
     speed = paired_speed_ratio(
         objective_samples(champion.trials, board.objective),

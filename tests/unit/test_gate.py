@@ -121,7 +121,14 @@ def test_the_champion_still_winning_moves_nothing():
     verdict = judge(
         board, Champion("1", "production-v1", None, trials(STEADY)), trials(STEADY), SelectConfig()
     )
-    assert not verdict.passed and "is still the best latency; nothing to move" in verdict.reason
+    assert (
+        not verdict.passed
+        and verdict.reason == "production v1 is still the best latency of this run; nothing to move"
+    )
+    rebuilt = judge(
+        board_with(score("onnx_int8", 1.0, 300)), Champion("1", "onnx_int8", None, []), [], SelectConfig()
+    )
+    assert "production v1 (the same bytes as this run's onnx_int8) is still the best" in rebuilt.reason
 
 
 def test_no_qualifying_variant_promotes_nothing_and_the_first_promotion_needs_no_champion():
