@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.config import Config, load_config
-from tasks.errors import LlmoptError, RegistryError
+from tasks.errors import GateError, LlmoptError, RegistryError
 
 app = typer.Typer(
     help="llmopt: optimize a causal LM, measure accuracy and speed honestly, register and serve the winner.",
@@ -56,14 +56,20 @@ def promote(
     """Move production to VERSION if it beats the current production version in the champion/challenger gate
     (both measured now, on this machine, beside the baseline); with --force --reason, move it without the gate."""
     with _user_errors(debug):
+        config, root = _setup(params, debug)
         if force:
-            config, root = _setup(params, debug)
             _forced_move(config, root, version, reason, "forced", "llmopt promote --force")
+            return
+        if _current_production(config, root, version) == version:
+            console.print(f"production is already v{version}; nothing to do")
             return
         config, root = _setup_flow_run(params, debug)
         from flows.pipeline import promote_flow
 
-        _print_outcome(promote_flow(config, root, version))
+        outcome = promote_flow(config, root, version)
+        _print_outcome(outcome)
+        if not outcome.promoted:
+            raise GateError(outcome.summary())  # a refusal exits 1, so scripts can tell
 
 
 @app.command()
@@ -78,8 +84,8 @@ def rollback(
         from tasks.decide.history import rollback_target
 
         _configure_tracking(config, root)
-        _, previous = rollback_target(config.project.name)
-        _forced_move(config, root, previous, reason, "rollback", "llmopt rollback")
+        current, previous = rollback_target(config.project.name)
+        _forced_move(config, root, previous, reason, "rollback", "llmopt rollback", expected=current)
 
 
 @app.command()
@@ -112,17 +118,36 @@ def _configure_tracking(config: Config, root: Path) -> None:
     configure_tracking(config.tracking, root)
 
 
-def _forced_move(config: Config, root: Path, version: str, reason: str | None, kind: str, actor: str) -> None:
-    """Move production without the gate; the reason is required and recorded."""
-    from tasks.decide.history import move_production
+def _current_production(config: Config, root: Path, version: str) -> str | None:
+    """Production's version; a version that does not exist is a one-line error before any work starts."""
     from tasks.decide.registry import PRODUCTION, current_version, registered_version
+
+    _configure_tracking(config, root)
+    registered_version(config.project.name, version)
+    return current_version(config.project.name, PRODUCTION)
+
+
+def _forced_move(
+    config: Config,
+    root: Path,
+    version: str,
+    reason: str | None,
+    kind: str,
+    actor: str,
+    expected: str | None = None,
+) -> None:
+    """Move production without the gate; the reason is required and recorded. `expected`: where production
+    must still point (rollback decided on it), else wherever it points now."""
+    from tasks.decide.history import move_production
     from tasks.errors import ConfigError
 
     if not reason:
         raise ConfigError("--force needs --reason TEXT (it is kept in the production history)")
-    _configure_tracking(config, root)
-    registered_version(config.project.name, version)  # a clear error for a version that does not exist
-    before = current_version(config.project.name, PRODUCTION)
+    before = _current_production(config, root, version)
+    if before == version:
+        console.print(f"production is already v{version}; nothing to do")
+        return
+    before = expected if expected is not None else before
     tag = f"{kind}: {reason}"
     if not move_production(config.project.name, version, before, actor, kind, reason, tag):
         raise RegistryError("production moved while this command ran; see `llmopt history`")
@@ -133,7 +158,7 @@ def _print_outcome(outcome) -> None:
     """The leaderboard, the registration, and as the last line what happened to production and why."""
     _print_leaderboard(outcome.leaderboard)
     reg = outcome.registration
-    if reg is not None:
+    if reg is not None and outcome.registered_now:
         reused = " (same bytes as before, reused)" if reg.reused else ""
         console.print(
             f"Registered [bold]{reg.name}[/] version {reg.version}{reused} → alias candidate", soft_wrap=True

@@ -33,14 +33,17 @@ from tasks.report.tracking import configure_tracking, parent_run
 @dataclass(frozen=True)
 class PipelineOutcome:
     leaderboard: Leaderboard
-    registration: Registration | None  # None: nothing qualified, nothing registered
+    registration: Registration | None  # the judged version (None: nothing qualified)
     verdict: Verdict
     promoted: bool
+    registered_now: bool = True  # False for `llmopt promote`: the version existed, no alias was set
 
     def summary(self) -> str:
         """The run's last line: what happened to production, and why."""
         if self.promoted and self.registration is not None:
             return f"production → v{self.registration.version}: {self.verdict.reason}"
+        if self.verdict.passed:
+            return "production unchanged: it moved while this run decided (a lost race; see `llmopt history`)"
         return f"production unchanged: {self.verdict.reason}"
 
 
@@ -59,8 +62,9 @@ def prepare_flow(config: Config, root: Path) -> tuple[PreparedBase, PreparedData
 
 @flow(name="llmopt-pipeline")
 def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
-    """Build, measure and rank every variant beside the production version; register the winner as candidate and
-    move production to it only when it beats production on the run's objective with confidence."""
+    """Build, measure and rank every variant beside the production version; judge the winner against production
+    (duel included) before anything is registered; register the winner as candidate and move production to it
+    only when it beats production on the run's objective with confidence."""
     base, data = prepare_inputs(config, root)
     fingerprint = machine_fingerprint(config.target.threads)
     experiment_id = configure_tracking(config.tracking, root)
@@ -71,6 +75,7 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
         measured = measure_variants(config, root, base, data, trials=1, registered=registered)
         reports = workdir(config, root) / "reports"
         board, runs = rank_and_report(config, measured, reports, (experiment_id, parent_id), [], {})
+        verdict = judge_winner(config, measured, board, production, read_split(data.folder, "evaluation")[0])
         registration = None
         if board.winner is not None:
             tags = {
@@ -82,9 +87,8 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
                 config, folder, manifest, runs[board.winner], tags, board.winner_summary()
             )
             set_candidate(registration)
-        texts = read_split(data.folder, "evaluation")
-        decision = (f"run {parent_id}", str(fingerprint["hash"]), texts[0])
-        verdict, promoted = gate_and_move(config, measured, board, production, registration, decision)
+        actor = (f"run {parent_id}", str(fingerprint["hash"]))
+        promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
     return _finish(PipelineOutcome(board, registration, verdict, promoted))
 
 
@@ -106,30 +110,35 @@ def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
         measured = measure_variants(only_baseline, root, base, data, trials=1, registered=registered)
         out = workdir(config, root) / "promote"
         board, _ = rank_and_report(only_baseline, measured, out, (experiment_id, parent_id), [], {})
-        name = measured.registered[f"candidate-v{version}"]
-        qualifies = any(row.score.variant == name and row.qualifies for row in board.rows)
-        board = replace(board, winner=name if qualifies else None)
+        board = _judged_alone(board, measured.registered[f"candidate-v{version}"], version)
+        verdict = judge_winner(config, measured, board, production, read_split(data.folder, "evaluation")[0])
         registration = Registration(config.project.name, version, reused=True)
-        texts = read_split(data.folder, "evaluation")
-        decision = (f"llmopt promote (run {parent_id})", str(fingerprint["hash"]), texts[0])
-        verdict, promoted = gate_and_move(config, measured, board, production, registration, decision)
-    return _finish(PipelineOutcome(board, registration, verdict, promoted))
+        actor = (f"llmopt promote (run {parent_id})", str(fingerprint["hash"]))
+        promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
+    return _finish(PipelineOutcome(board, registration, verdict, promoted, registered_now=False))
 
 
-def gate_and_move(
+def _judged_alone(board: Leaderboard, name: str, version: str) -> Leaderboard:
+    """The board with the version under test as its winner, or no winner and the reason it cannot be one."""
+    row = next((r for r in board.rows if r.score.variant == name), None)
+    if row is None:
+        reason = (
+            f"v{version} uses another tokenizer than this run's baseline: its accuracy cannot be checked here"
+        )
+        return replace(board, winner=None, reason=reason + " (move it with --force --reason if you must)")
+    if not row.qualifies:
+        return replace(board, winner=None, reason=f"v{version} does not qualify: {', '.join(row.failures)}")
+    return replace(board, winner=name, reason=f"v{version} qualifies")
+
+
+def judge_winner(
     config: Config,
     measured: Measurements,
     board: Leaderboard,
     production: RegisteredVersion | None,
-    registration: Registration | None,
-    decision: tuple[str, str, str],
-) -> tuple[Verdict, bool]:
-    """Judge the board's winner against production (after a duel of interleaved trials), store the verdict on the
-    version, and move production if it passed (under the registry lock); every decision is recorded.
-
-    `decision` is (who decides, the machine fingerprint, the benchmark prompt text).
-    """
-    actor, fingerprint, prompt_text = decision
+    prompt_text: str,
+) -> Verdict:
+    """The board's winner against production, after a duel of interleaved trials when they differ."""
     champion = None
     if production is not None:
         name = measured.registered[f"production-v{production.version}"]
@@ -138,18 +147,31 @@ def gate_and_move(
         score = next((row.score for row in board.rows if row.score.variant == name), None)
         champion = Champion(production.version, name, score, measured.trials[name])
     challenger_trials = measured.trials[board.winner] if board.winner else []
-    verdict = judge(board, champion, challenger_trials, config.select)
-    model, before = config.project.name, production.version if production else None
-    if registration is None:
+    return judge(board, champion, challenger_trials, config.select)
+
+
+def apply_verdict(
+    model: str,
+    verdict: Verdict,
+    production: RegisteredVersion | None,
+    registration: Registration | None,
+    actor: tuple[str, str],
+) -> bool:
+    """Store the verdict on the judged version and move production if it passed (under the registry lock);
+    every decision is recorded. Production's own evidence is kept when it stays the best. `actor` is (who
+    decides, the machine fingerprint)."""
+    who, fingerprint = actor
+    before = production.version if production else None
+    judged = registration.version if registration else None
+    if judged is None or judged == before:
         if production is not None:
-            record_refusal(model, actor, before, None, verdict.reason)
-        return verdict, False
-    _store_verdict(model, registration.version, verdict, fingerprint)
+            record_refusal(model, who, before, judged, verdict.reason)
+        return False
+    _store_verdict(model, judged, verdict, fingerprint)
     if not verdict.passed:
-        record_refusal(model, actor, before, registration.version, verdict.reason)
-        return verdict, False
-    moved = move_production(model, registration.version, before, actor, "gate", verdict.reason, verdict.tag())
-    return verdict, moved
+        record_refusal(model, who, before, judged, verdict.reason)
+        return False
+    return move_production(model, judged, before, who, "gate", verdict.reason, verdict.tag())
 
 
 def _store_verdict(model: str, version: str, verdict: Verdict, fingerprint: str) -> None:

@@ -57,7 +57,7 @@ def optimize_task(
         )
 
 
-@task(name="evaluate", task_run_name="evaluate-{folder.name}", cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name="evaluate-{saved.stem}", cache_policy=NO_CACHE)
 def evaluate_task(
     folder: Path,
     manifest: VariantManifest,
@@ -66,22 +66,22 @@ def evaluate_task(
     reference: list[list[int]] | None,
     saved: Path,
 ) -> VariantEvaluation:
-    with progress_bar(f"perplexity {folder.name}") as update:
+    with progress_bar(f"perplexity {saved.stem}") as update:
         evaluation, reused = evaluate_or_reuse(
             folder, manifest, texts, config.evaluate, reference, saved, config.target.threads, update
         )
     if reused:
-        get_run_logger().info(f"{folder.name}: evaluation unchanged since the last run, reused")
+        get_run_logger().info(f"{saved.stem}: evaluation unchanged since the last run, reused")
     return evaluation
 
 
-@task(name="benchmark", task_run_name="benchmark-{folder.name}", cache_policy=NO_CACHE)
-def benchmark_task(folder: Path, config: Config, prompt_text: str) -> BenchmarkResult:
+@task(name="benchmark", task_run_name="benchmark-{name}", cache_policy=NO_CACHE)
+def benchmark_task(name: str, folder: Path, config: Config, prompt_text: str) -> BenchmarkResult:
     return benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
 
 
 @task(name="fetch-production", cache_policy=NO_CACHE)
-def fetch_version_task(config: Config, version: str, dest: Path) -> Path:
+def fetch_version_task(config: Config, version: RegisteredVersion, dest: Path) -> Path:
     """The registered version's variant folder, downloaded into `dest` (reused while its bytes are intact)."""
     return fetch_version(config.project.name, version, dest)
 
@@ -126,10 +126,10 @@ def measure_variants(
         reference = reference or evaluations[name].continuations
     stand_ins = {}
     for label, version in (registered or {}).items():
-        same = [name for name, manifest in manifests.items() if manifest.content_hash == version.content_hash]
+        same = [name for name, manifest in manifests.items() if manifest.model_hash == version.model_hash]
         stand_ins[label] = same[0] if same else label
         if not same:
-            folder = fetch_version_task(config, version.version, work / "registered" / f"v{version.version}")
+            folder = fetch_version_task(config, version, work / "registered" / f"v{version.version}")
             folders[label], manifests[label] = folder, read_manifest(folder)
             saved = work / "evaluations" / f"{label}.json"
             evaluations[label] = evaluate_task(folder, manifests[label], texts, config, reference, saved)
@@ -139,7 +139,7 @@ def measure_variants(
     results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
     for trial in range(trials):
         for name in manifests:
-            results[name].append(benchmark_task(folders[name], config, texts[0]))
+            results[name].append(benchmark_task(name, folders[name], config, texts[0]))
             perplexity = evaluations[name].perplexity.perplexity
             logger.info(
                 f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, "
@@ -150,9 +150,11 @@ def measure_variants(
 
 def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_text: str) -> None:
     """`select.duel_trials` more benchmarks of the two models, back to back, appended to their trials."""
-    for _ in range(config.select.duel_trials):
-        for name in names:
-            measured.trials[name].append(benchmark_task(measured.folders[name], config, prompt_text))
+    for trial in range(config.select.duel_trials):
+        for name in (
+            names if trial % 2 == 0 else names[::-1]
+        ):  # neither always runs first (warm caches, turbo)
+            measured.trials[name].append(benchmark_task(name, measured.folders[name], config, prompt_text))
 
 
 def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -132,7 +133,10 @@ def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) ->
     """Content address of a variant: same base, data, recipe, builder code and libraries → same artifact."""
     builder = code_sha256(BUILDER_MODULES)
     versions = ",".join(f"{k}={v}" for k, v in sorted(_library_versions().items()))
-    key = f"{base_hash}\0{data_hash}\0{variant.recipe_hash()}\0{builder}\0{versions}"
+    settings = json.dumps(
+        variant.model_dump(mode="json"), sort_keys=True
+    )  # defaults resolved: a changed default rebuilds
+    key = f"{base_hash}\0{data_hash}\0{variant.recipe_hash()}\0{settings}\0{builder}\0{versions}"
     return hashlib.sha256(key.encode()).hexdigest()
 
 

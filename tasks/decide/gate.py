@@ -4,8 +4,9 @@ both measured in the same run, on the same evaluation windows and the same machi
 The challenger moves `production` only when, on the run's objective, it beats the champion with confidence (the
 lower bound of the paired speed-ratio interval above 1 + `select.min_improvement`), it is within the accuracy
 budget against the baseline (selection made sure), and it is not significantly less accurate than the champion
-(paired bootstrap on the perplexity windows beyond `select.ppl_tolerance_vs_production`, McNemar on cloze). A champion built on another tokenizer cannot be
-paired: each model is then held to its own baseline budget only, and the verdict says so.
+(paired bootstrap on the perplexity windows beyond `select.ppl_tolerance_vs_production`, McNemar on cloze).
+A champion built on another tokenizer cannot be paired: the challenger is then held to this run's baseline budget
+only (the champion met its own when it was promoted), and the verdict says so.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from tasks.decide.registry import PRODUCTION, current_version
 from tasks.errors import RegistryError
@@ -88,6 +89,8 @@ def move_production(
     client = MlflowClient()
     with registry_lock(model_name, actor):
         current = current_version(model_name, PRODUCTION)
+        if current == to_version == expected_from:
+            return True  # already there: nothing to move, nothing to record
         if current != expected_from:
             lost = f"production moved from {_v(expected_from)} to {_v(current)} while this was decided; not moved"
             record(
@@ -106,20 +109,28 @@ def rollback_target(model_name: str) -> tuple[str, str]:
     """(current production, the version production pointed to before the move that made it current)."""
     current = current_version(model_name, PRODUCTION)
     for move in reversed(history(model_name)):
-        if move.moved and move.to_version == current and move.from_version is not None:
+        if move.moved and move.to_version == current and move.from_version not in (None, current):
             return current, move.from_version
     raise RegistryError(f"{model_name}: no earlier production version to roll back to (see `llmopt history`)")
 
 
 @contextlib.contextmanager
 def registry_lock(model_name: str, holder: str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold the model's registry lock for the body (waits up to `timeout_s` for another holder)."""
+    """Hold the model's registry lock for the body (waits up to `timeout_s` for another holder).
+
+    MLflow has no compare-and-set, so breaking a dead holder's lock re-reads its token just before deleting it,
+    and releasing deletes the lock only while it still carries this holder's token.
+    """
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    client, lock = MlflowClient(), model_name + LOCK_SUFFIX
+    client, lock, token = MlflowClient(), model_name + LOCK_SUFFIX, uuid.uuid4().hex
     deadline = time.monotonic() + timeout_s
-    tags = {"llmopt.lock.holder": holder, "llmopt.lock.host": socket.gethostname()}
+    tags = {
+        "llmopt.lock.holder": holder,
+        "llmopt.lock.host": socket.gethostname(),
+        "llmopt.lock.token": token,
+    }
     tags |= {"llmopt.lock.pid": str(os.getpid()), "llmopt.lock.since": _now()}
     while True:
         try:
@@ -128,35 +139,48 @@ def registry_lock(model_name: str, holder: str, timeout_s: float = LOCK_TIMEOUT_
             )
             break
         except MlflowException as exc:
-            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-            if _stale(client, lock):
-                with contextlib.suppress(MlflowException):
-                    client.delete_registered_model(lock)
-                continue
-            if time.monotonic() > deadline:
-                raise RegistryError(
-                    f"{model_name}: another production move holds the registry lock ({lock})"
-                ) from None
-            time.sleep(0.2)
+            # RESOURCE_DOES_NOT_EXIST: the holder released it between our create and the store's own lookup
+            if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
+                raise RegistryError(f"{model_name}: cannot take the registry lock ({exc.message})") from None
+        stale = _stale_token(client, lock)
+        if stale is not None and _lock_token(client, lock) == stale:
+            with contextlib.suppress(MlflowException):
+                client.delete_registered_model(lock)
+        if time.monotonic() > deadline:
+            raise RegistryError(f"{model_name}: another production move holds the registry lock ({lock})")
+        time.sleep(0.2)
     try:
         yield
     finally:
-        client.delete_registered_model(lock)
+        if _lock_token(client, lock) == token:
+            client.delete_registered_model(lock)
 
 
-def _stale(client: object, lock: str) -> bool:
-    """The lock's holder ran on this host and its process is gone."""
+def _lock_token(client: Any, lock: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_registered_model(lock).tags.get("llmopt.lock.token", "")
+    except MlflowException:
+        return None
+
+
+def _stale_token(client: Any, lock: str) -> str | None:
+    """The token of a lock whose holder ran on this host and whose process is gone (None: not stale)."""
     import psutil
     from mlflow.exceptions import MlflowException
 
     try:
-        tags = client.get_registered_model(lock).tags  # type: ignore[attr-defined]
+        tags = client.get_registered_model(lock).tags
     except MlflowException:
-        return False  # released meanwhile: try again
+        return None  # released meanwhile: try again
     if tags.get("llmopt.lock.host") != socket.gethostname():
-        return False
-    return not psutil.pid_exists(int(tags.get("llmopt.lock.pid", "0")))
+        return None
+    return (
+        None
+        if psutil.pid_exists(int(tags.get("llmopt.lock.pid", "0")))
+        else tags.get("llmopt.lock.token", "")
+    )
 
 
 def _now() -> str:

@@ -38,7 +38,7 @@ class RegisteredVersion:
     """What `production` points to: the version and the content hash of its variant bytes."""
 
     version: str
-    content_hash: str
+    model_hash: str  # bytes + runtime settings (`VariantManifest.model_hash`); "" for versions that lack it
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def register_variant(
 
     client = MlflowClient()
     for existing in _versions(client, model_name):
-        if existing.tags.get("llmopt.content_hash") == manifest.content_hash:
+        if existing.tags.get("llmopt.model_hash") == manifest.model_hash:
             return Registration(model_name, str(existing.version), reused=True)
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pyfunc.log_model(
@@ -80,6 +80,7 @@ def register_variant(
         **tags,
         "llmopt.variant": manifest.name,
         "llmopt.content_hash": manifest.content_hash,
+        "llmopt.model_hash": manifest.model_hash,
         "llmopt.recipe_hash": manifest.recipe_hash,
         "llmopt.base_hash": manifest.base_hash,
         "llmopt.data_hash": manifest.data_hash,
@@ -124,21 +125,22 @@ def production_version(model_name: str) -> RegisteredVersion | None:
 
 def registered_version(model_name: str, version: str) -> RegisteredVersion:
     """A registered version and the content hash of its bytes (a RegistryError when it does not exist)."""
-    return RegisteredVersion(version, version_tags(model_name, version).get("llmopt.content_hash", ""))
+    return RegisteredVersion(version, version_tags(model_name, version).get("llmopt.model_hash", ""))
 
 
-def fetch_version(model_name: str, version: str, dest: Path) -> Path:
-    """The variant folder of `version` in `dest`: kept when its bytes still match their manifest, else downloaded
-    afresh (staged, so an interrupted download is never used)."""
+def fetch_version(model_name: str, version: RegisteredVersion, dest: Path) -> Path:
+    """The variant folder of `version` in `dest`: kept when it is that version's model and its bytes still match
+    their manifest, else downloaded afresh (staged, so an interrupted download is never used)."""
     from tasks.engines.manifest import MANIFEST_FILE, read_manifest
     from tasks.storage import folder_sha256, staged_folder
 
     for manifest_path in dest.glob(f"**/{MANIFEST_FILE}"):
-        folder = manifest_path.parent
-        if folder_sha256(folder, exclude=(MANIFEST_FILE,)) == read_manifest(folder).content_hash:
+        folder, manifest = manifest_path.parent, read_manifest(manifest_path.parent)
+        same_model = manifest.model_hash == version.model_hash
+        if same_model and folder_sha256(folder, exclude=(MANIFEST_FILE,)) == manifest.content_hash:
             return folder
     with staged_folder(dest) as staging:
-        relative = download_version(model_name, version, staging).relative_to(staging)
+        relative = download_version(model_name, version.version, staging).relative_to(staging)
     return dest / relative
 
 

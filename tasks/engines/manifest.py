@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,13 @@ class VariantManifest:
     def runtime_settings(self) -> RuntimeSettings:
         """The recipe's runtime settings, as validated when the variant was built."""
         return RuntimeSettings.model_validate(self.recipe.get("runtime", {}))
+
+    @property
+    def model_hash(self) -> str:
+        """Identity of the model as it runs: its bytes plus its resolved runtime settings (variants that differ
+        only in attention, KV cache, window or engine share their bytes, not their behaviour)."""
+        settings = json.dumps(self.runtime_settings().model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(f"{self.content_hash}\0{settings}".encode()).hexdigest()
 
     def write(self, folder: Path) -> None:
         (folder / MANIFEST_FILE).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")

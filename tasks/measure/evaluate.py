@@ -175,15 +175,15 @@ def _first_word(text: str) -> str:
 
 
 def evaluation_key(
-    content_hash: str, texts: list[str], cfg: EvaluateConfig, reference: list[list[int]] | None
+    model_hash: str, texts: list[str], cfg: EvaluateConfig, reference: list[list[int]] | None
 ) -> str:
-    """Identity of an evaluation: same variant bytes, evaluation text, settings, reference and measuring code."""
+    """Identity of an evaluation: same model (bytes and runtime settings), evaluation text, settings, reference and measuring code."""
     import hashlib
     import json
     from importlib import metadata
 
     parts = {
-        "variant": content_hash,
+        "variant": model_hash,
         "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
         "settings": cfg.model_dump(mode="json"),
         "reference": reference,
@@ -234,7 +234,7 @@ def evaluate_or_reuse(
 ) -> tuple[VariantEvaluation, bool]:
     """(evaluation, reused): the evaluation saved in `saved` when its key (bytes, text, settings, reference,
     measuring code) still matches, else a fresh one through the variant's Runtime, saved for next time."""
-    key = evaluation_key(manifest.content_hash, texts, cfg, reference)
+    key = evaluation_key(manifest.model_hash, texts, cfg, reference)
     previous = load_evaluation(saved, key)
     if previous is not None:
         return previous, True

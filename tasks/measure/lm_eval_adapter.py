@@ -104,9 +104,11 @@ def runtime_language_model(runtime: Runtime, max_length: int | None = None) -> A
 def generate_until(runtime: Runtime, context: str, options: dict[str, Any]) -> str:
     """Greedy continuation cut before the first stop string."""
     max_new = int(options.get("max_gen_toks", DEFAULT_MAX_GEN_TOKENS))
-    ids = runtime.generate([runtime.encode(context)], max_new, stop_at_eos=True)[0]
+    prompt = runtime.encode(context)[-max(1, runtime.context_length - max_new) :]  # left-truncated, like HFLM
+    ids = runtime.generate([prompt], max_new, stop_at_eos=True)[0]
     text = runtime.decode(ids)
-    for stop in options.get("until", []):
+    until = options.get("until", [])
+    for stop in [until] if isinstance(until, str) else until:
         text = text.split(stop)[0]
     return text
 

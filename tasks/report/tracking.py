@@ -133,7 +133,12 @@ def log_variant_run(
     run = client.create_run(
         experiment_id,
         run_name=manifest.name,
-        tags={"mlflow.parentRunId": parent_run_id, "llmopt.kind": "variant", "llmopt.variant": manifest.name},
+        tags={
+            "mlflow.parentRunId": parent_run_id,
+            "llmopt.kind": "variant",
+            "llmopt.variant": manifest.name,
+            **process_tags(),
+        },
     )
     params = {
         "steps": ",".join(next(iter(step)) for step in manifest.recipe.get("steps", [])) or "none",

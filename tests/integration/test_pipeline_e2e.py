@@ -182,10 +182,11 @@ def test_a_faster_equally_accurate_challenger_beats_a_slow_production_and_is_pro
     assert verdict["champion_version"] == baseline_version and verdict["speed_ratio_ci"][0] > 1.05
     assert verdict["fingerprint"] and abs(verdict["ppl_ratio_vs_champion"] - 1) < 1e-3
     assert f"beats production v{baseline_version}" in result.stderr.strip().splitlines()[-1]
-    gated = run(
-        root, "llmopt", "promote", baseline_version
-    )  # the gate alone: the slow baseline must not pass
-    assert gated.stderr.strip().splitlines()[-1].startswith("production unchanged: ")
+    # the gate alone: the slow baseline must not pass, and a refusal exits 1
+    gated = run(root, "llmopt", "promote", baseline_version, check=False)
+    assert (
+        gated.returncode == 1 and "error: production unchanged: baseline refused: latency ×" in gated.stderr
+    )
     assert client.get_model_version_by_alias("tiny-test", "production").version == production.version
 
 

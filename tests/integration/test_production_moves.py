@@ -114,3 +114,10 @@ def test_runs_left_running_by_a_dead_process_of_this_host_are_marked_killed(regi
     assert mark_ghost_runs(experiment) == [ghost]
     statuses = {run: registry.get_run(run).info.status for run in (ghost, alive, elsewhere)}
     assert statuses == {ghost: "KILLED", alive: "RUNNING", elsewhere: "RUNNING"}
+
+
+def test_moving_production_where_it_already_is_records_nothing_and_keeps_rollback_working(registry):
+    move_production(MODEL, "1", None, "run a", "gate", "first", "passed")
+    move_production(MODEL, "2", "1", "run b", "gate", "faster", "passed")
+    assert move_production(MODEL, "2", "2", "llmopt promote --force", "forced", "again", "forced: again")
+    assert len(history(MODEL)) == 2 and rollback_target(MODEL) == ("2", "1")

@@ -66,3 +66,17 @@ def test_code_keys_follow_modules_by_import_name_wherever_their_files_live():
     assert len({code_sha256(BUILDER_MODULES), code_sha256(MEASURING_MODULES), package}) == 3
     with pytest.raises(ModuleNotFoundError, match="tasks.runtime"):
         code_sha256(("tasks.runtime",))
+
+
+def test_variants_with_the_same_bytes_but_other_runtime_settings_are_different_models():
+    from tasks.engines.manifest import VariantManifest
+
+    def manifest(runtime: dict) -> VariantManifest:
+        recipe = {"steps": [], "runtime": {"dtype": "float32", **runtime}}
+        return VariantManifest(
+            "v", recipe, "r", "b", "base", "data", "hf-safetensors", "float32", "torch", 1, 1, "c"
+        )
+
+    plain, eager, explicit = manifest({}), manifest({"attention": "eager"}), manifest({"attention": "sdpa"})
+    assert plain.content_hash == eager.content_hash and plain.model_hash != eager.model_hash
+    assert plain.model_hash == explicit.model_hash  # a default spelled out is the same model
