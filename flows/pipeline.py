@@ -77,7 +77,13 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
         board, runs = rank_and_report(config, measured, reports, (experiment_id, parent_id), [], {})
         verdict = judge_winner(config, measured, board, production, read_split(data.folder, "evaluation")[0])
         registration = None
-        if board.winner is not None:
+        if (
+            production is not None
+            and board.winner == measured.registered[f"production-v{production.version}"]
+        ):
+            registration = Registration(config.project.name, production.version, reused=True)
+            set_candidate(registration)
+        elif board.winner is not None:
             tags = {
                 "llmopt.fingerprint": str(fingerprint["hash"]),
                 "llmopt.git_commit": str(fingerprint["git_commit"]),

@@ -6,6 +6,7 @@ it, tags the version with the verdict and appends one history record (see `tasks
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -63,9 +64,13 @@ def register_variant(
 
     client = MlflowClient()
     for existing in _versions(client, model_name):
-        if existing.tags.get("llmopt.model_hash") == manifest.model_hash:
+        if _same_model(existing.tags, manifest):
             return Registration(model_name, str(existing.version), reused=True)
-    with mlflow.start_run(run_id=run_id):
+    with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+        # the predict method has no type hints on purpose (they would replace the signature and drop its params)
+        warnings.filterwarnings(
+            "ignore", message=".*type hints to the `predict` method", category=UserWarning
+        )
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=str(Path(__file__).with_name("pyfunc_model.py")),
@@ -104,6 +109,14 @@ def model_requirements(manifest: VariantManifest) -> list[str]:
         packages.append("deepspeed")
     # a local label such as +cpu is dropped: `==2.13.0` accepts the CPU wheel here and the PyPI release elsewhere
     return [f"{package}=={metadata.version(package).split('+')[0]}" for package in packages]
+
+
+def _same_model(tags: dict[str, str], manifest: VariantManifest) -> bool:
+    """A version holds this model: same model hash, or (registered before model hashes) same bytes and recipe."""
+    if "llmopt.model_hash" in tags:
+        return tags["llmopt.model_hash"] == manifest.model_hash
+    same_bytes = tags.get("llmopt.content_hash") == manifest.content_hash
+    return same_bytes and tags.get("llmopt.recipe_hash") == manifest.recipe_hash
 
 
 def current_version(model_name: str, alias: str) -> str | None:
