@@ -243,8 +243,7 @@ def objective_key(row: LeaderboardRow, objective: Objective) -> tuple[float, ...
 
 
 def _point(row: LeaderboardRow, objective: Objective) -> tuple[float, float, float]:
-    speed = row.score.speed("throughput" if objective == "throughput" else "latency")
-    return (row.ppl_ratio, speed, row.score.peak_rss_mb)
+    return (row.ppl_ratio, row.score.speed(objective), row.score.peak_rss_mb)
 
 
 def _reason(board: Leaderboard, qualifying: int) -> str:

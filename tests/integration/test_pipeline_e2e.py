@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -300,9 +301,10 @@ def test_registered_versions_serve_from_an_environment_mlflow_builds_outside_the
             start_new_session=True,
         )
         try:
+            wait_until_serving(server, timeout_s=600)
             body = {"inputs": ["The river walks the"], "params": {"max_new_tokens": 3}}
-            reply = wait_for_prediction(server, f"http://127.0.0.1:{port}/invocations", body, timeout_s=600)
-            (text,) = reply["predictions"]
+            reply = httpx.post(f"http://127.0.0.1:{port}/invocations", json=body, timeout=60)
+            (text,) = reply.raise_for_status().json()["predictions"]
             assert isinstance(text, str) and len(text.split()) <= 3, (uri, text)
         finally:
             if server.poll() is None:
@@ -314,12 +316,16 @@ def test_registered_versions_serve_from_an_environment_mlflow_builds_outside_the
     assert "No module named 'tasks'" in result.stderr  # llmopt is not installed there: the model brought it
 
 
-def wait_for_prediction(server: subprocess.Popen, url: str, body: dict, timeout_s: float) -> dict:
-    """POST `body` once the server answers (it first builds its environment), bounded by `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            return httpx.post(url, json=body, timeout=60).raise_for_status().json()
-        except httpx.TransportError:
-            time.sleep(1)  # polling for readiness, bounded by the deadline
-    raise AssertionError(server.stdout.read().decode()[-4000:] if server.poll() is not None else "no answer")
+def wait_until_serving(server: subprocess.Popen, timeout_s: float) -> None:
+    """Block until the server logs that uvicorn listens (it first builds its environment); a reader thread keeps
+    draining its output so the pipe never fills, and keeps what it read for the failure message."""
+    ready, lines = threading.Event(), []
+
+    def read() -> None:
+        for line in server.stdout:
+            lines.append(line.decode(errors="replace"))
+            if "Uvicorn running on" in lines[-1]:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert ready.wait(timeout_s), "".join(lines)[-4000:] or "no output"
