@@ -67,9 +67,9 @@ def promote(
         from flows.pipeline import promote_flow
 
         outcome = promote_flow(config, root, version)
-        _print_outcome(outcome)
+        _print_outcome(outcome, last_line=outcome.promoted)
         if not outcome.promoted:
-            raise GateError(outcome.summary())  # a refusal exits 1, so scripts can tell
+            raise GateError(outcome.summary())  # a refusal exits 1 with the reason as its one error line
 
 
 @app.command()
@@ -154,8 +154,9 @@ def _forced_move(
     console.print(f"production → v{version} ({kind}: {reason}); was {f'v{before}' if before else 'none'}")
 
 
-def _print_outcome(outcome) -> None:
-    """The leaderboard, the registration, and as the last line what happened to production and why."""
+def _print_outcome(outcome, last_line: bool = True) -> None:
+    """The leaderboard, the registration, and as the last line what happened to production and why (unless the
+    caller ends with it as an error)."""
     _print_leaderboard(outcome.leaderboard)
     reg = outcome.registration
     if reg is not None and outcome.registered_now:
@@ -163,7 +164,8 @@ def _print_outcome(outcome) -> None:
         console.print(
             f"Registered [bold]{reg.name}[/] version {reg.version}{reused} → alias candidate", soft_wrap=True
         )
-    console.print(outcome.summary(), soft_wrap=True, highlight=False)
+    if last_line:
+        console.print(outcome.summary(), soft_wrap=True, highlight=False)
     # Prefect announces the temporary server's shutdown at exit; the verdict above is the line users need last.
     logging.getLogger("prefect").setLevel(logging.WARNING)
 

@@ -192,17 +192,84 @@ def test_a_faster_equally_accurate_challenger_beats_a_slow_production_and_is_pro
 
 
 def register_baseline(root: Path) -> str:
-    """Register the baseline variant of run 1 as a new version (what `llmopt run` does for a winner)."""
+    return register_folder(root, "baseline")
+
+
+def register_folder(root: Path, variant: str) -> str:
+    """Register a variant folder of the project as a new version (what `llmopt run` does for a winner)."""
     script = (
         "import sys; from pathlib import Path; import mlflow; "
         "from tasks.decide.registry import register_variant; from tasks.engines.manifest import read_manifest; "
         "uri = 'sqlite:///' + str(Path('mlflow.db').resolve()); mlflow.set_tracking_uri(uri); mlflow.set_registry_uri(uri); "
-        "folder = Path('.llmopt/variants/baseline'); "
+        f"folder = Path('.llmopt/variants/{variant}'); "
         "run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name('llmopt').experiment_id).info.run_id; "
-        "print(register_variant('tiny-test', folder, read_manifest(folder), run, {}, 'baseline').version); "
+        f"print(register_variant('tiny-test', folder, read_manifest(folder), run, {{}}, '{variant}').version); "
         "mlflow.MlflowClient().set_terminated(run)"
     )
     return run(root, sys.executable, "-c", script).stdout.strip().splitlines()[-1]
+
+
+def test_a_planted_regression_within_budget_but_worse_than_production_is_never_promoted_though_fastest(
+    project,
+):
+    """Production forced to the slow fp32 baseline; the challenger is the ONNX fp32 variant (far faster) with a
+    bias planted on one logit: every window's loss rises a little (within the +50% baseline budget, so it
+    qualifies), which the paired bootstrap against production must catch although the challenger wins on speed."""
+    root, _ = project
+    client = mlflow_client(root)
+    before = client.get_model_version_by_alias("tiny-test", "production").version
+    baseline_version = next(
+        str(v.version)
+        for v in client.search_model_versions("name='tiny-test'")
+        if v.tags["llmopt.variant"] == "baseline"
+    )
+    run(root, "llmopt", "promote", baseline_version, "--force", "--reason", "a slow champion")
+    plant_logit_bias(root / ".llmopt/variants/onnx_fp32", root / ".llmopt/variants/planted", bias=2.4)
+    planted = register_folder(root, "planted")
+
+    refused = run(root, "llmopt", "promote", planted, check=False)
+    last_line = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert last_line.startswith(f"error: production unchanged: candidate-v{planted} refused: perplexity ×")
+    assert "latency" not in last_line  # the speed side passed: accuracy alone refused it
+    assert not any(
+        line.startswith("production unchanged") for line in refused.stderr.splitlines()
+    )  # said once
+    verdict = json.loads(client.get_model_version("tiny-test", planted).tags["llmopt.verdict"])
+    assert verdict["speed_ratio_ci"][0] > verdict["speed_threshold"]  # it is the fastest by a wide margin
+    assert 1.005 < verdict["ppl_ratio_vs_champion_ci"][0] < verdict["ppl_ratio_vs_champion"] < 1.5
+    assert str(client.get_model_version_by_alias("tiny-test", "production").version) == baseline_version
+    assert production_history(root)[-1].moved is False
+    run(root, "llmopt", "rollback", "--reason", "back to the fast production")
+    assert client.get_model_version_by_alias("tiny-test", "production").version == before
+
+
+def plant_logit_bias(source: Path, target: Path, bias: float) -> None:
+    """Copy an ONNX Runtime GenAI variant and add `bias` to the logit of one token the text never uses: every
+    position loses a little probability mass to it, so every evaluation window gets slightly worse."""
+    import shutil
+
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from tasks.storage import folder_sha256
+
+    shutil.copytree(source, target)
+    model = onnx.load(target / "model.onnx")
+    graph = model.graph
+    producer = next(node for node in graph.node if "logits" in node.output)
+    producer.output[list(producer.output).index("logits")] = "logits_unbiased"
+    vocab = graph.output[0].type.tensor_type.shape.dim[2].dim_value
+    boost = np.zeros(vocab, dtype=np.float32)
+    boost[0] = bias  # <unk>: byte-level BPE never encodes text to it, so no position gains
+    graph.initializer.append(numpy_helper.from_array(boost, "planted_logit_bias"))
+    graph.node.append(helper.make_node("Add", ["logits_unbiased", "planted_logit_bias"], ["logits"]))
+    (target / "model.onnx.data").unlink()
+    onnx.save(model, target / "model.onnx", save_as_external_data=True, location="model.onnx.data")
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest.update(name=target.name, content_hash=folder_sha256(target, exclude=("manifest.json",)))
+    (target / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 
 def test_bench_reuses_evaluations_reports_spread_and_refuses_another_machine(project):
