@@ -164,6 +164,8 @@ def _print_outcome(outcome, last_line: bool = True) -> None:
         console.print(
             f"Registered [bold]{reg.name}[/] version {reg.version}{reused} → alias candidate", soft_wrap=True
         )
+    for line in outcome.highlights:
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
     if last_line:
         console.print(outcome.summary(), soft_wrap=True, highlight=False)
     # Prefect announces the temporary server's shutdown at exit; the verdict above is the line users need last.
@@ -230,6 +232,114 @@ def serve(
         serve_registered_model(
             config, root, alias or config.serve.alias, host or config.serve.host, port or config.serve.port
         )
+
+
+services_app = typer.Typer(
+    help="Services llmopt starts itself (scripts under infra/): the Prefect server that `llmopt schedule` needs.",
+    no_args_is_help=True,
+)
+app.add_typer(services_app, name="services")
+
+
+@services_app.command("up")
+def services_up(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
+    """Start the configured services in the background (no-op for those already up) and wait until they answer."""
+    with _user_errors(debug):
+        from flows.services import configured_services, start
+
+        config, root = load_config(params), params.resolve().parent
+        for service in configured_services(config, root):
+            console.print(start(service), soft_wrap=True, highlight=False)
+
+
+@services_app.command("down")
+def services_down(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
+    """Stop the services llmopt started (their data stays under project.workdir/services)."""
+    with _user_errors(debug):
+        from flows.services import configured_services, stop
+
+        config, root = load_config(params), params.resolve().parent
+        for service in reversed(configured_services(config, root)):
+            console.print(stop(service), soft_wrap=True, highlight=False)
+
+
+@services_app.command("status")
+def services_status(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
+    """Whether each configured service is up and answering."""
+    with _user_errors(debug):
+        from flows.services import configured_services, status
+
+        config, root = load_config(params), params.resolve().parent
+        for service in configured_services(config, root):
+            console.print(status(service), soft_wrap=True, highlight=False)
+
+
+@app.command()
+def schedule(
+    params: ParamsOption = Path("params.yaml"),
+    once: Annotated[
+        bool,
+        typer.Option("--once", help="Trigger one run through the deployment now, wait, print its result."),
+    ] = False,
+    keep_schedule_on_exit: Annotated[
+        bool, typer.Option(hidden=True, help="Used by --once: stopping does not pause the deployment.")
+    ] = False,
+    debug: DebugOption = False,
+) -> None:
+    """Run the pipeline on params.yaml's schedule (cron or interval): a Prefect deployment served against the
+    Prefect server, which is started first if it is not up. Runs until interrupted (Ctrl-C pauses the schedule);
+    one pipeline run at a time. The Prefect UI (services.prefect_port) shows the runs."""
+    with _user_errors(debug):
+        config, root = _setup_scheduled(params, debug)
+        from flows.schedule import deployment_name, run_once, serve_schedule
+
+        if once:
+            ok, line = _run_once_through_deployment(config, params, deployment_name(config), run_once)
+            if not ok:
+                raise LlmoptError(line)
+            console.print(line, soft_wrap=True, highlight=False)
+            return
+        when = config.schedule.when
+        console.print(
+            f"Serving {deployment_name(config)} ({', '.join(f'{k} {v}' for k, v in when.items())}); Prefect UI "
+            f"http://127.0.0.1:{config.services.prefect_port}. Ctrl-C stops.",
+            soft_wrap=True,
+            highlight=False,
+        )
+        serve_schedule(config, params, pause_on_shutdown=not keep_schedule_on_exit)
+
+
+def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
+    """Config, the services up, and Prefect pointed at the Prefect server (not a temporary one)."""
+    from flows.services import configured_services, prefect_api_url, start
+
+    config = load_config(params)
+    root = params.resolve().parent
+    for service in configured_services(config, root):
+        console.print(start(service), soft_wrap=True, highlight=False)
+    os.environ["PREFECT_API_URL"] = prefect_api_url(config)
+    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")  # --once reads the run's last line
+    os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
+    return _setup_flow_run(params, debug)
+
+
+def _run_once_through_deployment(config: Config, params: Path, name: str, run_once) -> tuple[bool, str]:
+    """Serve the deployment in a child process for as long as one triggered run takes, then stop it."""
+    import signal
+    import subprocess
+    import sys
+
+    log = Path(os.environ["PREFECT_HOME"]) / "schedule-once.log"
+    command = [sys.executable, "-m", "flows.cli", "schedule", "-p", str(params), "--keep-schedule-on-exit"]
+    with log.open("ab") as out:
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        console.print(f"Triggered {name}; waiting for it (runner log {log})", soft_wrap=True, highlight=False)
+        return run_once(config, timeout_s=config.schedule.timeout_min * 60)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+        child.wait(timeout=60)
 
 
 def _setup(params: Path, debug: bool) -> tuple[Config, Path]:
@@ -363,4 +473,8 @@ def _wide_console() -> Console:
 
 
 if __name__ == "__main__":
+    main()
+
+
+if __name__ == "__main__":  # `python -m flows.cli`: Prefect's runner re-imports __main__ in run subprocesses
     main()

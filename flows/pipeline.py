@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -27,7 +28,9 @@ from tasks.engines.manifest import VariantManifest
 from tasks.inputs.data import PreparedData, read_split
 from tasks.inputs.load import PreparedBase
 from tasks.measure.fingerprint import machine_fingerprint
-from tasks.report.tracking import configure_tracking, parent_run
+from tasks.report.run_report import ReportContext, write_run_report
+from tasks.report.timings import StageClock
+from tasks.report.tracking import DEFAULT_UI, configure_tracking, experiment_url, log_run_report, parent_run
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class PipelineOutcome:
     verdict: Verdict
     promoted: bool
     registered_now: bool = True  # False for `llmopt promote`: the version existed, no alias was set
+    highlights: tuple[str, ...] = ()  # a few lines before the last one: the report, the time, the UI
 
     def summary(self) -> str:
         """The run's last line: what happened to production, and why."""
@@ -65,43 +69,40 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     """Build, measure and rank every variant beside the production version; judge the winner against production
     (duel included) before anything is registered; register the winner as candidate and move production to it
     only when it beats production on the run's objective with confidence."""
-    base, data = prepare_inputs(config, root)
+    clock, started = StageClock(), datetime.now(UTC).isoformat(timespec="seconds")
+    with clock.stage("prepare"):
+        base, data = prepare_inputs(config, root)
     fingerprint = machine_fingerprint(config.target.threads)
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
         production = production_version(config.project.name)
         registered = {f"production-v{production.version}": production} if production else {}
-        measured = measure_variants(config, root, base, data, trials=1, registered=registered)
+        measured = measure_variants(config, root, base, data, trials=1, registered=registered, clock=clock)
         reports = workdir(config, root) / "reports"
-        board, runs = rank_and_report(config, measured, reports, (experiment_id, parent_id), [], {})
-        verdict = judge_winner(config, measured, board, production, read_split(data.folder, "evaluation")[0])
-        registration = None
-        if (
-            production is not None
-            and board.winner == measured.registered[f"production-v{production.version}"]
-        ):
-            registration = Registration(config.project.name, production.version, reused=True)
-            set_candidate(registration)
-        elif board.winner is not None:
-            tags = {
-                "llmopt.fingerprint": str(fingerprint["hash"]),
-                "llmopt.git_commit": str(fingerprint["git_commit"]),
-            }
-            folder, manifest = measured.folders[board.winner], measured.manifests[board.winner]
-            registration = register_task(
-                config, folder, manifest, runs[board.winner], tags, board.winner_summary()
-            )
-            set_candidate(registration)
-        actor = (f"run {parent_id}", str(fingerprint["hash"]))
-        promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
-    return _finish(PipelineOutcome(board, registration, verdict, promoted))
+        with clock.stage("rank"):
+            board, runs = rank_and_report(config, measured, reports, (experiment_id, parent_id), [], {})
+        with clock.stage("duel"):
+            prompt = read_split(data.folder, "evaluation")[0]
+            verdict = judge_winner(config, measured, board, production, prompt)
+        with clock.stage("register"):
+            registration = register_winner(config, measured, board, production, runs, fingerprint)
+            actor = (f"run {parent_id}", str(fingerprint["hash"]))
+            promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
+        outcome = PipelineOutcome(board, registration, verdict, promoted)
+        facts = (config.project.name, fingerprint, clock, started)
+        highlights = report_run(
+            outcome, champion_of(measured, production), facts, reports, (experiment_id, parent_id)
+        )
+    return _finish(replace(outcome, highlights=highlights))
 
 
 @flow(name="llmopt-promote")
 def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
     """The champion/challenger gate for one registered version: measured beside production and the baseline."""
-    base, data = prepare_inputs(config, root)
+    clock, started = StageClock(), datetime.now(UTC).isoformat(timespec="seconds")
+    with clock.stage("prepare"):
+        base, data = prepare_inputs(config, root)
     fingerprint = machine_fingerprint(config.target.threads)
     experiment_id = configure_tracking(config.tracking, root)
     challenger = registered_version(config.project.name, version)
@@ -113,15 +114,91 @@ def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
     )
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash, "challenger": version}
     with parent_run(experiment_id, only_baseline, lineage, fingerprint, kind="promote") as parent_id:
-        measured = measure_variants(only_baseline, root, base, data, trials=1, registered=registered)
+        measured = measure_variants(only_baseline, root, base, data, 1, registered, clock)
         out = workdir(config, root) / "promote"
-        board, _ = rank_and_report(only_baseline, measured, out, (experiment_id, parent_id), [], {})
-        board = _judged_alone(board, measured.registered[f"candidate-v{version}"], version)
-        verdict = judge_winner(config, measured, board, production, read_split(data.folder, "evaluation")[0])
-        registration = Registration(config.project.name, version, reused=True)
-        actor = (f"llmopt promote (run {parent_id})", str(fingerprint["hash"]))
-        promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
-    return _finish(PipelineOutcome(board, registration, verdict, promoted, registered_now=False))
+        with clock.stage("rank"):
+            board, _ = rank_and_report(only_baseline, measured, out, (experiment_id, parent_id), [], {})
+            board = _judged_alone(board, measured.registered[f"candidate-v{version}"], version)
+        with clock.stage("duel"):
+            prompt = read_split(data.folder, "evaluation")[0]
+            verdict = judge_winner(config, measured, board, production, prompt)
+        with clock.stage("register"):
+            registration = Registration(config.project.name, version, reused=True)
+            actor = (f"llmopt promote (run {parent_id})", str(fingerprint["hash"]))
+            promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
+        outcome = PipelineOutcome(board, registration, verdict, promoted, registered_now=False)
+        facts = (config.project.name, fingerprint, clock, started)
+        highlights = report_run(
+            outcome, champion_of(measured, production), facts, out, (experiment_id, parent_id)
+        )
+    return _finish(replace(outcome, highlights=highlights))
+
+
+def register_winner(
+    config: Config,
+    measured: Measurements,
+    board: Leaderboard,
+    production: RegisteredVersion | None,
+    runs: dict[str, str],
+    fingerprint: dict,
+) -> Registration | None:
+    """The winner as the `candidate` version: production itself when it stayed the best (nothing new is
+    registered), else the winner's variant registered (identical bytes reuse their version); None: no winner."""
+    if production is not None and board.winner == measured.registered[f"production-v{production.version}"]:
+        registration = Registration(config.project.name, production.version, reused=True)
+    elif board.winner is not None:
+        tags = {
+            "llmopt.fingerprint": str(fingerprint["hash"]),
+            "llmopt.git_commit": str(fingerprint["git_commit"]),
+        }
+        folder, manifest = measured.folders[board.winner], measured.manifests[board.winner]
+        registration = register_task(
+            config, folder, manifest, runs[board.winner], tags, board.winner_summary()
+        )
+    else:
+        return None
+    set_candidate(registration)
+    return registration
+
+
+def champion_of(measured: Measurements, production: RegisteredVersion | None) -> tuple[str, str] | None:
+    """(production version, the name it was measured under in this run), if there is a production version."""
+    if production is None:
+        return None
+    return production.version, measured.registered[f"production-v{production.version}"]
+
+
+def report_run(
+    outcome: PipelineOutcome,
+    champion: tuple[str, str] | None,
+    facts: tuple[str, dict, StageClock, str],
+    folder: Path,
+    run_ids: tuple[str, str],
+) -> tuple[str, ...]:
+    """Write the run report (HTML + markdown) beside the leaderboard, log it and the stage timings on the parent
+    run; return the lines the terminal shows before the verdict. `facts`: project, fingerprint, clock, start."""
+    project, fingerprint, clock, started = facts
+    experiment_id, parent_id = run_ids
+    registration = outcome.registration
+    context = ReportContext(
+        project,
+        started,
+        champion,
+        outcome.verdict,
+        outcome.promoted,
+        registration.version if registration else None,
+        fingerprint,
+        clock.seconds,
+        clock.total_s,
+        [folder / "tradeoff.png", folder / "speed.png"],
+    )
+    files = write_run_report(outcome.leaderboard, context, folder)
+    log_run_report(parent_id, files, clock.metrics())
+    return (
+        f"Report: {files[0]} (also in MLflow, run {parent_id[:8]}, reports/)",
+        f"Time: {clock.line()}",
+        f"Compare in the MLflow UI (make ui): {experiment_url(DEFAULT_UI, experiment_id)}",
+    )
 
 
 def _judged_alone(board: Leaderboard, name: str, version: str) -> Leaderboard:

@@ -25,6 +25,7 @@ from tasks.measure.benchmark import (
     memory_read_bandwidth_gbs,
 )
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
+from tasks.report.timings import StageClock
 from tasks.report.tracking import log_reports, log_variant_run, write_reports
 
 
@@ -109,37 +110,49 @@ def measure_variants(
     data: PreparedData,
     trials: int,
     registered: dict[str, RegisteredVersion] | None = None,
+    clock: StageClock | None = None,
 ) -> Measurements:
     """Build (or reuse) and evaluate (or reuse) every variant, baseline first (its greedy continuations are
     everyone's agreement reference), and the `registered` versions beside them (a variant of this run with the
     same bytes stands for one, else it is downloaded); then benchmark them all `trials` times, trials
     interleaving the models so that a slow spell of the machine hits all of them."""
-    logger = get_run_logger()
+    logger, clock = get_run_logger(), clock or StageClock()
     texts, work = read_split(data.folder, "evaluation"), workdir(config, root)
     manifests, evaluations, folders, reference = {}, {}, {}, None
     for name, variant in baseline_first(config):
         folders[name] = work / "variants" / name
-        manifests[name] = optimize_task(name, variant, base, data, folders[name])
-        evaluations[name] = evaluate_task(
-            folders[name], manifests[name], texts, config, reference, work / "evaluations" / f"{name}.json"
-        )
+        with clock.stage("build"):
+            manifests[name] = optimize_task(name, variant, base, data, folders[name])
+        with clock.stage("evaluate"):
+            evaluations[name] = evaluate_task(
+                folders[name],
+                manifests[name],
+                texts,
+                config,
+                reference,
+                work / "evaluations" / f"{name}.json",
+            )
         reference = reference or evaluations[name].continuations
     stand_ins = {}
     for label, version in (registered or {}).items():
         same = [name for name, manifest in manifests.items() if manifest.model_hash == version.model_hash]
         stand_ins[label] = same[0] if same else label
         if not same:
-            folder = fetch_version_task(config, version, work / "registered" / f"v{version.version}")
+            with clock.stage("fetch production"):
+                folder = fetch_version_task(config, version, work / "registered" / f"v{version.version}")
             folders[label], manifests[label] = folder, read_manifest(folder)
             saved = work / "evaluations" / f"{label}.json"
-            evaluations[label] = evaluate_task(folder, manifests[label], texts, config, reference, saved)
+            with clock.stage("evaluate"):
+                evaluations[label] = evaluate_task(folder, manifests[label], texts, config, reference, saved)
         logger.info(f"{label} is measured as {stand_ins[label]}")
-    bandwidth = memory_read_bandwidth_gbs(config.target.threads)  # after the builds: the machine has settled
+    with clock.stage("benchmark"):
+        bandwidth = memory_read_bandwidth_gbs(config.target.threads)  # after the builds: the machine settled
     logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
     results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
     for trial in range(trials):
         for name in manifests:
-            results[name].append(benchmark_task(name, folders[name], config, texts[0]))
+            with clock.stage("benchmark"):
+                results[name].append(benchmark_task(name, folders[name], config, texts[0]))
             perplexity = evaluations[name].perplexity.perplexity
             logger.info(
                 f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, "
@@ -178,6 +191,8 @@ def rank_and_report(
     """Validate the metrics table (Great Expectations), rank, write the reports into `out_dir` and log one
     nested MLflow run per ranked model under the parent run; returns the leaderboard and the run ids. A registered
     version on another tokenizer cannot be paired with this run's baseline and is left out of the ranking."""
+    from mlflow import MlflowClient
+
     experiment_id, parent_id = run_ids
     m = measured
     fetched = set(m.registered.values()) - set(config.variants)
@@ -186,9 +201,12 @@ def rank_and_report(
     validate_metrics_table([asdict(score) for score in scores], names)
     board = build_leaderboard(scores, config.select)
     reports = write_reports(board, out_dir) + extra_reports
+    fingerprint_hash = (
+        MlflowClient().get_run(parent_id).data.tags["llmopt.fingerprint"]
+    )  # the machine of them all
     runs = {
         name: log_variant_run(
-            experiment_id, parent_id, m.manifests[name], m.evaluations[name], m.chosen(name)
+            experiment_id, parent_id, m.manifests[name], m.evaluations[name], m.chosen(name), fingerprint_hash
         )
         for name in names
     }

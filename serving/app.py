@@ -1,17 +1,28 @@
-"""HTTP serving of a registered variant: OpenAI-style /v1/completions, /v1/models and /health."""
+"""HTTP serving of a registered variant: OpenAI-style /v1/completions, /v1/models and /health.
+
+The served model is swapped whole when the registry alias moves (the deploy stage): a watcher loads the new
+version beside the old one, verifies its bytes, warms it up and only then replaces it. A request keeps the model it
+started on, so nothing in flight is dropped; a version that fails to load leaves the old one serving and the
+failure shows in /health."""
 
 from __future__ import annotations
 
+import logging
 import tempfile
+import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.config import Config
 from tasks.engines import Runtime
+
+log = logging.getLogger("llmopt.serve")
 
 
 class CompletionRequest(BaseModel):
@@ -25,33 +36,79 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=0.0, description="Greedy decoding only, for now.")
 
 
-def create_app(runtime: Runtime, model_name: str, version: str, max_new_tokens: int) -> FastAPI:
-    """The FastAPI application around one loaded runtime."""
+@dataclass(eq=False)
+class LoadedModel:
+    """One loaded version. Its engine runs one generation at a time (neither og.Model nor a torch module is safe
+    to drive from several request threads); `keep` holds whatever must live as long as it (its download)."""
+
+    version: str
+    runtime: Runtime
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    keep: Any = None
+
+    def complete(self, prompt: str, max_tokens: int) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids), greedy."""
+        prompt_ids = self.runtime.encode(prompt)
+        with self.lock:
+            (completion,) = self.runtime.generate([prompt_ids], max_tokens)
+        return prompt_ids, completion
+
+
+class ServedModel:
+    """The model the server answers with right now, replaced atomically by `swap`."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self._current = loaded
+        self.last_error: str | None = None  # the last version that failed to load, and why
+        self.swapped_at: float | None = None
+
+    @property
+    def current(self) -> LoadedModel:
+        return self._current
+
+    def swap(self, loaded: LoadedModel) -> None:
+        """From now on new requests go to `loaded`; requests already running finish on the old model, which is
+        freed (download folder included) when the last of them lets go of it."""
+        self._current, self.last_error, self.swapped_at = loaded, None, time.time()
+
+
+def create_app(served: ServedModel | Runtime, model_name: str, version: str, max_new_tokens: int) -> FastAPI:
+    """The FastAPI application around the served model (a bare runtime is served as `version`, never swapped)."""
+    if not isinstance(served, ServedModel):
+        served = ServedModel(LoadedModel(version, served))
     app = FastAPI(title="llmopt server", version="0.1.0")
-    served_id = f"{model_name}/{version}"
 
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "model": served_id, "variant": runtime.manifest.name}
+        loaded = served.current
+        return {
+            "status": "ok",
+            "model": f"{model_name}/{loaded.version}",
+            "version": loaded.version,
+            "variant": loaded.runtime.manifest.name,
+            "swap_error": served.last_error,
+        }
 
     @app.get("/v1/models")
     def models() -> dict:
+        served_id = f"{model_name}/{served.current.version}"
         return {"object": "list", "data": [{"id": served_id, "object": "model", "owned_by": "llmopt"}]}
 
     @app.post("/v1/completions")
     def complete(request: CompletionRequest) -> dict:
-        prompt_ids = runtime.encode(request.prompt)
-        (completion,) = runtime.generate([prompt_ids], min(request.max_tokens, max_new_tokens))
+        loaded = served.current  # this request's model, even if a swap happens meanwhile
+        limit = min(request.max_tokens, max_new_tokens)
+        prompt_ids, completion = loaded.complete(request.prompt, limit)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": served_id,
+            "model": f"{model_name}/{loaded.version}",
             "choices": [
                 {
                     "index": 0,
-                    "text": runtime.decode(completion),
-                    "finish_reason": _finish(completion, request),
+                    "text": loaded.runtime.decode(completion),
+                    "finish_reason": "length" if len(completion) >= limit else "stop",
                 }
             ],
             "usage": {
@@ -61,23 +118,84 @@ def create_app(runtime: Runtime, model_name: str, version: str, max_new_tokens: 
             },
         }
 
-    def _finish(completion: list[int], request: CompletionRequest) -> str:
-        return "length" if len(completion) >= min(request.max_tokens, max_new_tokens) else "stop"
-
     return app
 
 
+def load_version(model_name: str, version: str, threads: int) -> LoadedModel:
+    """Download a registered version, check its bytes against the hash the registry recorded, load and warm it."""
+    from tasks.decide.registry import download_version, version_tags
+    from tasks.engines import load_runtime
+    from tasks.engines.manifest import MANIFEST_FILE, read_manifest
+    from tasks.errors import RegistryError
+    from tasks.storage import folder_sha256
+
+    scratch = tempfile.TemporaryDirectory(prefix=f"llmopt-serve-v{version}-")
+    folder = download_version(model_name, version, Path(scratch.name))
+    recorded = version_tags(model_name, version).get("llmopt.content_hash")
+    actual = folder_sha256(folder, exclude=(MANIFEST_FILE,))
+    if actual != read_manifest(folder).content_hash or (recorded and actual != recorded):
+        scratch.cleanup()
+        raise RegistryError(
+            f"{model_name} v{version}: downloaded bytes hash to {actual[:12]}, the registry recorded "
+            f"{(recorded or '?')[:12]}; refusing to serve them"
+        )
+    runtime = load_runtime(folder, threads)
+    runtime.generate([runtime.encode("warm up")], 1)  # the first call pays for allocation, not a client
+    return LoadedModel(version, runtime, keep=scratch)
+
+
+def watch_alias(
+    served: ServedModel, model_name: str, alias: str, threads: int, every_s: float
+) -> threading.Thread:
+    """A daemon thread that swaps in the version `alias` points to whenever it moves (checked every `every_s`)."""
+
+    def check_once(failed: set[str]) -> None:
+        from tasks.decide.registry import current_version
+
+        version = current_version(model_name, alias)
+        if version is None or version == served.current.version or version in failed:
+            return
+        try:
+            loaded = load_version(model_name, version, threads)
+        except Exception as exc:  # any failure: keep serving the old model, say why in /health
+            failed.add(version)
+            served.last_error = f"v{version} failed to load, still serving v{served.current.version}: {exc}"
+            log.error(served.last_error)
+            return
+        previous = served.current.version
+        served.swap(loaded)
+        log.warning(f"{model_name}@{alias} moved: now serving v{version} (was v{previous})")
+
+    def loop() -> None:
+        failed: set[str] = set()
+        while True:
+            time.sleep(every_s)  # the registry has no notifications: poll at the configured pace
+            try:
+                check_once(failed)
+            except Exception as exc:  # the registry itself unreachable: keep serving, try again next time
+                served.last_error = f"cannot read {model_name}@{alias}: {exc}"
+                log.error(served.last_error)
+
+    thread = threading.Thread(target=loop, name="llmopt-alias-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve_registered_model(config: Config, root: Path, alias: str, host: str, port: int) -> None:
-    """Resolve `models:/<name>@<alias>`, load it through the Runtime and serve it with uvicorn."""
+    """Serve `models:/<name>@<alias>` with uvicorn, following the alias when it moves (serve.watch_s)."""
     import uvicorn
 
-    from tasks.decide.registry import resolve_alias
-    from tasks.engines import load_runtime
+    from tasks.decide.registry import current_version
+    from tasks.errors import RegistryError
     from tasks.report.tracking import configure_tracking
 
     configure_tracking(config.tracking, root)
-    with tempfile.TemporaryDirectory(prefix="llmopt-serve-") as scratch:
-        version, folder = resolve_alias(config.project.name, alias, Path(scratch))
-        runtime = load_runtime(folder, config.target.threads)
-        app = create_app(runtime, config.project.name, version, config.serve.max_new_tokens)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+    name = config.project.name
+    version = current_version(name, alias)
+    if version is None:
+        raise RegistryError(f"no model version {name}@{alias} in the registry; run `llmopt run` first")
+    served = ServedModel(load_version(name, version, config.target.threads))
+    if config.serve.watch_s > 0:
+        watch_alias(served, name, alias, config.target.threads, config.serve.watch_s)
+    app = create_app(served, name, version, config.serve.max_new_tokens)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -350,6 +350,40 @@ class ServeConfig(Strict):
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     alias: str = "production"
     max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 64
+    # How often the server asks the registry where the alias points; a move is loaded, verified and swapped in
+    # without dropping requests. 0: never (serve what was loaded at start).
+    watch_s: Annotated[float, Field(ge=0, le=86_400)] = 10.0
+
+
+class ScheduleConfig(Strict):
+    """When `llmopt schedule` runs the pipeline (a Prefect deployment served against the Prefect server)."""
+
+    cron: str | None = "0 3 * * *"  # nightly at 03:00 in the server's time zone (UTC unless configured)
+    interval_s: Annotated[int, Field(ge=1)] | None = None  # instead of cron (then set cron: null): every N s
+    deployment: str = Field("scheduled", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    timeout_min: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 120.0  # a run still going after this is failed
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> ScheduleConfig:
+        if (self.cron is None) == (self.interval_s is None):
+            raise ValueError("set exactly one of cron and interval_s (cron: null to use an interval)")
+        if self.cron is not None and len(self.cron.split()) != 5:
+            raise ValueError(f"cron must have 5 fields (minute hour day month weekday), got {self.cron!r}")
+        return self
+
+    @property
+    def when(self) -> dict[str, str | int]:
+        """The schedule as Prefect's `serve` takes it: {"interval": s} or {"cron": expression}."""
+        return {"interval": self.interval_s} if self.interval_s else {"cron": str(self.cron)}
+
+
+class ServicesConfig(Strict):
+    """Long-running services llmopt starts itself (`llmopt services up`): the Prefect server, for schedules."""
+
+    prefect_port: Annotated[int, Field(ge=1, le=65535)] = 4200  # the Prefect UI and API: http://127.0.0.1:4200
+    # Prefect's own database: SQLite under project.workdir by default, or e.g.
+    # postgresql+asyncpg://user:password@host:5432/prefect
+    prefect_database_url: str | None = None
 
 
 class Config(Strict):
@@ -363,6 +397,8 @@ class Config(Strict):
     variants: dict[str, VariantConfig] = Field(min_length=1)
     tracking: TrackingConfig = TrackingConfig()
     serve: ServeConfig = ServeConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    services: ServicesConfig = ServicesConfig()
 
     @model_validator(mode="after")
     def _baseline_is_plain(self) -> Config:

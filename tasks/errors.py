@@ -36,3 +36,7 @@ class TargetError(LlmoptError):
 class ComparisonError(LlmoptError):
     """Measurements that cannot be compared: taken on different machines or software, on different evaluation
     windows or items, or missing for the reference they are compared with."""
+
+
+class ServiceError(LlmoptError):
+    """A service llmopt manages (the Prefect server, …) did not start, stop or answer."""

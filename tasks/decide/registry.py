@@ -164,14 +164,6 @@ def set_candidate(registration: Registration) -> None:
     MlflowClient().set_registered_model_alias(registration.name, CANDIDATE, registration.version)
 
 
-def resolve_alias(model_name: str, alias: str, dest: Path) -> tuple[str, Path]:
-    """Download `models:/<name>@<alias>` and return (version, folder of the variant inside it)."""
-    version = current_version(model_name, alias)
-    if version is None:
-        raise RegistryError(f"no model version {model_name}@{alias} in the registry; run `llmopt run` first")
-    return version, download_version(model_name, version, dest)
-
-
 def download_version(model_name: str, version: str, dest: Path) -> Path:
     """Download version `version` into `dest`; returns the folder of the variant inside it."""
     import mlflow

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tasks.config import ModelConfig
 from tasks.errors import ModelSourceError
-from tasks.storage import folder_sha256, staged_folder
+from tasks.storage import file_sha256, folder_sha256, staged_folder
 
 EMBEDDED_SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,9 +51,14 @@ def check_model_source(cfg: ModelConfig) -> None:
 
 
 def _source_key(cfg: ModelConfig) -> str:
-    if cfg.source in (EMBEDDED_SMOLLM2,) or cfg.source.startswith(HUB_PREFIX):
+    """What the base folder was made from: local sources by their content (weights edited in place count), hub
+    ids by their revision (pin `model.revision` for a key that cannot move upstream)."""
+    if cfg.source.startswith(HUB_PREFIX):
         return f"{cfg.source}@{cfg.revision or 'default'}"
-    return str(Path(cfg.source).resolve())
+    if cfg.source == EMBEDDED_SMOLLM2:
+        return f"{cfg.source}@sha256:{file_sha256(_embedded_gguf_path())}"
+    folder = Path(cfg.source).resolve()
+    return f"{folder}@sha256:{folder_sha256(folder)}"
 
 
 def _read_source_record(out_dir: Path) -> dict | None:

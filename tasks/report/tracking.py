@@ -33,10 +33,64 @@ def configure_tracking(cfg: TrackingConfig, root: Path) -> str:
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     experiment = mlflow.get_experiment_by_name(cfg.experiment)
-    if experiment is not None:
-        return experiment.experiment_id
-    artifacts = cfg.artifacts if "://" in cfg.artifacts else (root / cfg.artifacts).resolve().as_uri()
-    return mlflow.create_experiment(cfg.experiment, artifact_location=artifacts)
+    if experiment is None:
+        artifacts = cfg.artifacts if "://" in cfg.artifacts else (root / cfg.artifacts).resolve().as_uri()
+        experiment_id = mlflow.create_experiment(cfg.experiment, artifact_location=artifacts, tags=VIEW_TAGS)
+    else:
+        experiment_id = experiment.experiment_id
+        if any(experiment.tags.get(key) != value for key, value in VIEW_TAGS.items()):
+            for key, value in VIEW_TAGS.items():  # experiments made by older llmopt releases get the view too
+                mlflow.MlflowClient().set_experiment_tag(experiment_id, key, value)
+    return experiment_id
+
+
+# The MLflow UI (3.x) opens experiments on its GenAI pages unless told otherwise; llmopt's runs are model
+# development. A shared view preselects the columns people compare variants by, fastest first (nested variant
+# runs show as rows when sorted by a metric). Open it with `experiment_url`.
+VIEW_KEY = "llmopt"
+_VIEW_COLUMNS = [
+    *(f"params.`{p}`" for p in ("technique", "weight_bits", "engine", "dtype")),
+    *(
+        f"metrics.`{m}`"
+        for m in ("decode_tok_s", "speedup", "ppl_ratio", "ppl_ratio_ci_high", "cloze_accuracy")
+    ),
+    *(f"metrics.`{m}`" for m in ("ttft_ms", "peak_rss_mb", "size_mb", "within_budget")),
+]
+VIEW_TAGS = {
+    "mlflow.experimentKind": "custom_model_development",
+    f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(
+        {
+            "name": "llmopt variants",
+            "createdAt": 0,
+            "state": json.dumps(
+                {
+                    "selectedColumns": _VIEW_COLUMNS,
+                    "orderByKey": "metrics.`decode_tok_s`",
+                    "orderByAsc": False,
+                }
+            ),
+        }
+    ),
+}
+
+
+DEFAULT_UI = "http://127.0.0.1:5000"  # where `make ui` serves the MLflow UI
+
+
+def log_run_report(parent_run_id: str, files: list[Path], metrics: dict[str, float]) -> None:
+    """The run report as parent-run artifacts (reports/) and the stage timings as parent-run metrics."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    for path in files:
+        client.log_artifact(parent_run_id, str(path), artifact_path="reports")
+    for key, value in metrics.items():
+        client.log_metric(parent_run_id, key, value)
+
+
+def experiment_url(ui: str, experiment_id: str) -> str:
+    """The MLflow UI's runs table of the experiment, with llmopt's column view (`ui`: e.g. http://127.0.0.1:5000)."""
+    return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
 
 
 @contextlib.contextmanager
@@ -124,6 +178,7 @@ def log_variant_run(
     manifest: VariantManifest,
     evaluation: VariantEvaluation,
     bench: BenchmarkResult,
+    fingerprint_hash: str,
 ) -> str:
     """One nested run per variant: recipe as params, accuracy/speed/memory as metrics, manifest as artifact."""
     from mlflow import MlflowClient
@@ -137,17 +192,11 @@ def log_variant_run(
             "mlflow.parentRunId": parent_run_id,
             "llmopt.kind": "variant",
             "llmopt.variant": manifest.name,
+            "llmopt.fingerprint": fingerprint_hash,
             **process_tags(),
         },
     )
-    params = {
-        "steps": ",".join(next(iter(step)) for step in manifest.recipe.get("steps", [])) or "none",
-        "dtype": manifest.dtype,
-        "weights_format": manifest.weights_format,
-        "engine": manifest.engine,
-        "recipe_hash": manifest.recipe_hash,
-        "recipe": json.dumps(manifest.recipe, sort_keys=True),
-    }
+    params = {**recipe_params(manifest), "fingerprint": fingerprint_hash}
     metrics = {
         "perplexity": evaluation.perplexity.perplexity,
         "eval_tokens": evaluation.perplexity.predicted_tokens,
@@ -188,6 +237,55 @@ def log_variant_run(
     client.log_dict(run.info.run_id, asdict(evaluation.agreement), "agreement.json")
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
+
+
+# Weight bits of each quantization method (what the MLflow compare view plots precision against speed with).
+_METHOD_BITS = {
+    "torch_dynamic_int8": 8,
+    "torchao_int8_weight_only": 8,
+    "torchao_int8_dynamic": 8,
+    "torchao_int4_weight_only": 4,
+    "quanto_w8a16": 8,
+    "quanto_w4a16": 4,
+    "quanto_w8a8": 8,
+    "bnb_nf4": 4,
+    "bnb_fp4": 4,
+    "bnb_int8": 8,
+}
+_DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
+_PRECISION_BITS = {"fp32": 32, "int8": 8, "int4": 4}
+
+
+def recipe_params(manifest: VariantManifest) -> dict[str, Any]:
+    """The recipe as flat, comparable MLflow params: the technique family, the weight precision in bits, every
+    step setting as `<step>.<setting>` and the resolved runtime settings as `runtime.<setting>` (so the compare
+    view can plot block size or precision against speed), plus the engine, format, hash and the recipe itself."""
+    steps = manifest.recipe.get("steps", [])
+    params: dict[str, Any] = {
+        "technique": "+".join(next(iter(step)) for step in steps) or "runtime",
+        "weight_bits": _DTYPE_BITS.get(manifest.dtype, 32),
+        "dtype": manifest.dtype,
+        "engine": manifest.engine,
+        "weights_format": manifest.weights_format,
+        "recipe_hash": manifest.recipe_hash,
+        "recipe": json.dumps(manifest.recipe, sort_keys=True),
+    }
+    for step in steps:
+        ((name, settings),) = step.items()
+        params.update(_flatten(settings, f"{name}."))
+        if name == "quantize":
+            bits = (
+                settings.get("bits", 4)
+                if settings.get("method") == "gptq"
+                else _METHOD_BITS.get(settings["method"])
+            )
+            params["weight_bits"] = bits or params["weight_bits"]
+        elif name == "onnx_genai":
+            params["weight_bits"] = _PRECISION_BITS.get(
+                settings.get("precision", "int4"), params["weight_bits"]
+            )
+    params.update(_flatten(manifest.runtime_settings().model_dump(mode="json"), "runtime."))
+    return params
 
 
 def write_reports(board: Leaderboard, folder: Path) -> list[Path]:

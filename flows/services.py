@@ -1,0 +1,118 @@
+"""Long-running services llmopt starts and stops itself (`llmopt services up|down|status`): each is a script
+under infra/ run in the background, with its log and pid file under project.workdir/services. Today: the Prefect
+server that `llmopt schedule` serves its deployment against; later services join the same list."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tasks.config import Config
+from tasks.errors import ServiceError
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    script: Path
+    health_url: str  # answers 200 when the service is ready
+    env: dict[str, str]  # added to the environment of the script
+    folder: Path  # log, pid file and data
+
+    @property
+    def pid_file(self) -> Path:
+        return self.folder / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.folder / f"{self.name}.log"
+
+
+def prefect_api_url(config: Config) -> str:
+    return f"http://127.0.0.1:{config.services.prefect_port}/api"
+
+
+def configured_services(config: Config, root: Path) -> list[Service]:
+    """The services this configuration needs, in start order."""
+    folder = root / config.project.workdir / "services"
+    env = {"PREFECT_HOME": str(folder / "prefect"), "PREFECT_PORT": str(config.services.prefect_port)}
+    if config.services.prefect_database_url:
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = config.services.prefect_database_url
+    api = prefect_api_url(config)
+    return [Service("prefect-server", INFRA / "prefect-server.sh", f"{api}/health", env, folder)]
+
+
+def healthy(service: Service) -> bool:
+    try:
+        return httpx.get(service.health_url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def running_pid(service: Service) -> int | None:
+    """The pid recorded at start, if that process still lives."""
+    try:
+        pid = int(service.pid_file.read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def start(service: Service, timeout_s: float = 120) -> str:
+    """Start the service in the background unless it already answers; wait until it is healthy."""
+    if healthy(service):
+        owner = "" if running_pid(service) else " (not started by llmopt)"
+        return f"{service.name}: already running at {service.health_url}{owner}"
+    service.folder.mkdir(parents=True, exist_ok=True)
+    with service.log_file.open("ab") as log:
+        process = subprocess.Popen(
+            [str(service.script)],
+            env={**os.environ, **service.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: `down` stops it and its children together
+        )
+    service.pid_file.write_text(f"{process.pid}\n")
+    deadline = time.monotonic() + timeout_s
+    while not healthy(service):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop(service)
+            tail = service.log_file.read_text(errors="replace").strip().splitlines()[-5:]
+            raise ServiceError(f"{service.name} did not start (log {service.log_file}): {' | '.join(tail)}")
+        time.sleep(0.25)  # the server offers nothing to wait on but its health endpoint
+    return f"{service.name}: started, {service.health_url} (pid {process.pid}, log {service.log_file})"
+
+
+def stop(service: Service, timeout_s: float = 20) -> str:
+    """Stop the service's process group (SIGTERM, then SIGKILL after `timeout_s`)."""
+    pid = running_pid(service)
+    if pid is None:
+        service.pid_file.unlink(missing_ok=True)
+        return f"{service.name}: not running"
+    os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while running_pid(service) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if running_pid(service) is not None:
+        os.killpg(pid, signal.SIGKILL)
+    service.pid_file.unlink(missing_ok=True)
+    return f"{service.name}: stopped"
+
+
+def status(service: Service) -> str:
+    pid = running_pid(service)
+    if healthy(service):
+        return f"{service.name}: up at {service.health_url}" + (
+            f" (pid {pid})" if pid else " (not started by llmopt)"
+        )
+    return f"{service.name}: " + (f"process {pid} runs but does not answer" if pid else "down")
