@@ -11,7 +11,15 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.stages import Measurements, duel, measure_variants, prepare_inputs, rank_and_report, workdir
+from flows.stages import (
+    IO_RETRIES,
+    Measurements,
+    duel,
+    measure_variants,
+    prepare_inputs,
+    rank_and_report,
+    workdir,
+)
 from tasks.config import Config
 from tasks.decide.gate import Champion, Verdict, judge
 from tasks.decide.history import move_production, record_refusal
@@ -51,7 +59,7 @@ class PipelineOutcome:
         return f"production unchanged: {self.verdict.reason}"
 
 
-@task(name="register", cache_policy=NO_CACHE)
+@task(name="register", cache_policy=NO_CACHE, **IO_RETRIES)
 def register_task(
     config: Config, folder: Path, manifest: VariantManifest, run_id: str, tags: dict, note: str
 ) -> Registration:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
 
 from flows.progress import progress_bar
 from tasks.build.optimize import build_variant
@@ -15,6 +16,7 @@ from tasks.config import Config, VariantConfig
 from tasks.decide.registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
+from tasks.errors import LlmoptError
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
@@ -81,7 +83,26 @@ def benchmark_task(name: str, folder: Path, config: Config, prompt_text: str) ->
     return benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
 
 
-@task(name="fetch-production", cache_policy=NO_CACHE)
+def transient_failure(task, task_run, state) -> bool:
+    """Retry condition for registry and artifact I/O: a network, database or disk hiccup is retried (with
+    backoff), a clear user error (LlmoptError: no such version, corrupted bytes) is not."""
+    try:
+        state.result()
+    except LlmoptError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+IO_RETRIES = {  # 3 more tries, 2 s, 4 s, 8 s apart
+    "retries": 3,
+    "retry_delay_seconds": exponential_backoff(backoff_factor=2),
+    "retry_condition_fn": transient_failure,
+}
+
+
+@task(name="fetch-production", cache_policy=NO_CACHE, **IO_RETRIES)
 def fetch_version_task(config: Config, version: RegisteredVersion, dest: Path) -> Path:
     """The registered version's variant folder, downloaded into `dest` (reused while its bytes are intact)."""
     return fetch_version(config.project.name, version, dest)
