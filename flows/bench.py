@@ -41,5 +41,7 @@ def bench_flow(config: Config, root: Path, trials: int, compare: Path | None = N
         out.mkdir(parents=True, exist_ok=True)
         files = write_bench_files(out, fingerprint, measured.bandwidth_gbs, measured.trials, spread)
         metrics = spread_metrics(spread)
-        board, _ = rank_and_report(config, measured, out, (experiment_id, parent_id), files, metrics)
+        board, _ = rank_and_report(
+            config, measured, out, (experiment_id, parent_id), files, metrics, fingerprint
+        )
     return BenchOutcome(board, spread, out, previous)

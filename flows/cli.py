@@ -294,15 +294,16 @@ def schedule(
         from flows.schedule import deployment_name, run_once, serve_schedule
 
         if once:
-            ok, line = _run_once_through_deployment(config, params, deployment_name(config), run_once)
-            if not ok:
-                raise LlmoptError(line)
-            console.print(line, soft_wrap=True, highlight=False)
+            log = Path(os.environ["PREFECT_HOME"]) / "schedule-once.log"
+            console.print(
+                f"Triggering {deployment_name(config)} (runner log {log})", soft_wrap=True, highlight=False
+            )
+            console.print(run_once(config, params, log), soft_wrap=True, highlight=False)
             return
-        when = config.schedule.when
+        when = ", ".join(f"{key} {value}" for key, value in config.schedule.when.items())
         console.print(
-            f"Serving {deployment_name(config)} ({', '.join(f'{k} {v}' for k, v in when.items())}); Prefect UI "
-            f"http://127.0.0.1:{config.services.prefect_port}. Ctrl-C stops.",
+            f"Serving {deployment_name(config)} ({when}); Prefect UI http://127.0.0.1:{config.services.prefect_port}."
+            " Ctrl-C stops.",
             soft_wrap=True,
             highlight=False,
         )
@@ -310,36 +311,22 @@ def schedule(
 
 
 def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
-    """Config, the services up, and Prefect pointed at the Prefect server (not a temporary one)."""
+    """Prefect pointed at the Prefect server (before Prefect is first imported: it reads its settings once), the
+    cheap checks, then the services up."""
     from flows.services import configured_services, prefect_api_url, start
+    from tasks.inputs.load import check_model_source
+    from tasks.targets import check_target
 
     config = load_config(params)
-    root = params.resolve().parent
-    for service in configured_services(config, root):
-        console.print(start(service), soft_wrap=True, highlight=False)
     os.environ["PREFECT_API_URL"] = prefect_api_url(config)
-    os.environ.setdefault("PREFECT_RESULTS_PERSIST_BY_DEFAULT", "true")  # --once reads the run's last line
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
+    from flows.schedule import check_schedule  # imports Prefect: only now
+    check_target(config)
+    check_model_source(config.model)
+    check_schedule(config)
+    for service in configured_services(config, params.resolve().parent):
+        console.print(start(service), soft_wrap=True, highlight=False)
     return _setup_flow_run(params, debug)
-
-
-def _run_once_through_deployment(config: Config, params: Path, name: str, run_once) -> tuple[bool, str]:
-    """Serve the deployment in a child process for as long as one triggered run takes, then stop it."""
-    import signal
-    import subprocess
-    import sys
-
-    log = Path(os.environ["PREFECT_HOME"]) / "schedule-once.log"
-    command = [sys.executable, "-m", "flows.cli", "schedule", "-p", str(params), "--keep-schedule-on-exit"]
-    with log.open("ab") as out:
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        console.print(f"Triggered {name}; waiting for it (runner log {log})", soft_wrap=True, highlight=False)
-        return run_once(config, timeout_s=config.schedule.timeout_min * 60)
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
-        child.wait(timeout=60)
 
 
 def _setup(params: Path, debug: bool) -> tuple[Config, Path]:
@@ -473,8 +460,4 @@ def _wide_console() -> Console:
 
 
 if __name__ == "__main__":
-    main()
-
-
-if __name__ == "__main__":  # `python -m flows.cli`: Prefect's runner re-imports __main__ in run subprocesses
     main()

@@ -89,7 +89,9 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
         measured = measure_variants(config, root, base, data, trials=1, registered=registered, clock=clock)
         reports = workdir(config, root) / "reports"
         with clock.stage("rank"):
-            board, runs = rank_and_report(config, measured, reports, (experiment_id, parent_id), [], {})
+            board, runs = rank_and_report(
+                config, measured, reports, (experiment_id, parent_id), [], {}, fingerprint
+            )
         with clock.stage("duel"):
             prompt = read_split(data.folder, "evaluation")[0]
             verdict = judge_winner(config, measured, board, production, prompt)
@@ -125,7 +127,9 @@ def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
         measured = measure_variants(only_baseline, root, base, data, 1, registered, clock)
         out = workdir(config, root) / "promote"
         with clock.stage("rank"):
-            board, _ = rank_and_report(only_baseline, measured, out, (experiment_id, parent_id), [], {})
+            board, _ = rank_and_report(
+                only_baseline, measured, out, (experiment_id, parent_id), [], {}, fingerprint
+            )
             board = _judged_alone(board, measured.registered[f"candidate-v{version}"], version)
         with clock.stage("duel"):
             prompt = read_split(data.folder, "evaluation")[0]
@@ -196,12 +200,15 @@ def report_run(
         outcome.promoted,
         registration.version if registration else None,
         fingerprint,
-        clock.seconds,
-        clock.total_s,
+        clock.line(),
         [folder / "tradeoff.png", folder / "speed.png"],
     )
-    files = write_run_report(outcome.leaderboard, context, folder)
-    log_run_report(parent_id, files, clock.metrics())
+    try:
+        files = write_run_report(outcome.leaderboard, context, folder)
+        log_run_report(parent_id, files, clock.metrics())
+    except Exception as exc:  # the decision is made and recorded; a report that fails must not undo the run
+        get_run_logger().warning(f"run report not written: {exc}")
+        files = [Path(f"(not written: {exc})")]
     return (
         f"Report: {files[0]} (also in MLflow, run {parent_id[:8]}, reports/)",
         f"Time: {clock.line()}",

@@ -4,6 +4,7 @@ server that `llmopt schedule` serves its deployment against; later services join
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -37,6 +38,7 @@ class Service:
 
 
 def prefect_api_url(config: Config) -> str:
+    """Where the Prefect server of `llmopt services` answers (what PREFECT_API_URL is set to)."""
     return f"http://127.0.0.1:{config.services.prefect_port}/api"
 
 
@@ -51,6 +53,7 @@ def configured_services(config: Config, root: Path) -> list[Service]:
 
 
 def healthy(service: Service) -> bool:
+    """Whether the service answers its health URL now."""
     try:
         return httpx.get(service.health_url, timeout=2).status_code == 200
     except httpx.HTTPError:
@@ -58,39 +61,59 @@ def healthy(service: Service) -> bool:
 
 
 def running_pid(service: Service) -> int | None:
-    """The pid recorded at start, if that process still lives."""
+    """The pid recorded at start, if that very process still lives (its start time is recorded too, so a pid
+    reused after a reboot is not mistaken for it)."""
+    import psutil
+
     try:
-        pid = int(service.pid_file.read_text())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return None
-    return pid
+        pid, started = service.pid_file.read_text().split()
+        alive = psutil.Process(int(pid))
+        if str(alive.create_time()) == started and alive.status() != psutil.STATUS_ZOMBIE:
+            return int(pid)
+    except (OSError, ValueError, psutil.Error):
+        pass
+    return None
 
 
 def start(service: Service, timeout_s: float = 120) -> str:
-    """Start the service in the background unless it already answers; wait until it is healthy."""
-    if healthy(service):
-        owner = "" if running_pid(service) else " (not started by llmopt)"
-        return f"{service.name}: already running at {service.health_url}{owner}"
-    service.folder.mkdir(parents=True, exist_ok=True)
-    with service.log_file.open("ab") as log:
-        process = subprocess.Popen(
-            [str(service.script)],
-            env={**os.environ, **service.env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: `down` stops it and its children together
-        )
-    service.pid_file.write_text(f"{process.pid}\n")
+    """Start the service in the background unless it already runs; wait until it is healthy."""
+    pid = running_pid(service)
+    if pid is None and healthy(service):
+        return f"{service.name}: already running at {service.health_url} (not started by llmopt)"
+    if pid is None:
+        pid = _launch(service)
+        started = "started"
+    else:
+        started = "already running"
     deadline = time.monotonic() + timeout_s
     while not healthy(service):
-        if process.poll() is not None or time.monotonic() > deadline:
+        if running_pid(service) is None or time.monotonic() > deadline:
             stop(service)
             tail = service.log_file.read_text(errors="replace").strip().splitlines()[-5:]
             raise ServiceError(f"{service.name} did not start (log {service.log_file}): {' | '.join(tail)}")
         time.sleep(0.25)  # the server offers nothing to wait on but its health endpoint
-    return f"{service.name}: started, {service.health_url} (pid {process.pid}, log {service.log_file})"
+    return f"{service.name}: {started}, {service.health_url} (pid {pid}, log {service.log_file})"
+
+
+def _launch(service: Service) -> int:
+    """Run the service's script in the background, in its own process group; record its pid and start time."""
+    import psutil
+
+    service.folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with service.log_file.open("ab") as log:
+            process = subprocess.Popen(
+                [str(service.script)],
+                env={**os.environ, **service.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # `stop` signals the group: the script and the server it runs
+            )
+    except OSError as exc:
+        raise ServiceError(f"{service.name}: cannot run {service.script}: {exc}") from None
+    service.pid_file.write_text(f"{process.pid} {psutil.Process(process.pid).create_time()}\n")
+    return process.pid
 
 
 def stop(service: Service, timeout_s: float = 20) -> str:
@@ -99,17 +122,23 @@ def stop(service: Service, timeout_s: float = 20) -> str:
     if pid is None:
         service.pid_file.unlink(missing_ok=True)
         return f"{service.name}: not running"
-    os.killpg(pid, signal.SIGTERM)
+    _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while running_pid(service) is not None and time.monotonic() < deadline:
         time.sleep(0.2)
     if running_pid(service) is not None:
-        os.killpg(pid, signal.SIGKILL)
+        _signal_group(pid, signal.SIGKILL)
     service.pid_file.unlink(missing_ok=True)
     return f"{service.name}: stopped"
 
 
+def _signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.killpg(pid, signum)
+
+
 def status(service: Service) -> str:
+    """One line: up (and who started it), running but not answering, or down."""
     pid = running_pid(service)
     if healthy(service):
         return f"{service.name}: up at {service.health_url}" + (

@@ -85,13 +85,19 @@ def benchmark_task(name: str, folder: Path, config: Config, prompt_text: str) ->
 
 def transient_failure(task, task_run, state) -> bool:
     """Retry condition for registry and artifact I/O: a network, database or disk hiccup is retried (with
-    backoff), a clear user error (LlmoptError: no such version, corrupted bytes) is not."""
+    backoff); a clear user error (LlmoptError: no such version, corrupted bytes) or a bug is not."""
+    import httpx
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import OperationalError
+
     try:
         state.result()
     except LlmoptError:
         return False
-    except Exception:
+    except (OSError, MlflowException, OperationalError, httpx.TransportError):
         return True
+    except Exception:
+        return False
     return False
 
 
@@ -208,12 +214,11 @@ def rank_and_report(
     run_ids: tuple[str, str],
     extra_reports: list[Path],
     run_metrics: dict[str, float],
+    fingerprint: dict,
 ) -> tuple[Leaderboard, dict[str, str]]:
     """Validate the metrics table (Great Expectations), rank, write the reports into `out_dir` and log one
     nested MLflow run per ranked model under the parent run; returns the leaderboard and the run ids. A registered
     version on another tokenizer cannot be paired with this run's baseline and is left out of the ranking."""
-    from mlflow import MlflowClient
-
     experiment_id, parent_id = run_ids
     m = measured
     fetched = set(m.registered.values()) - set(config.variants)
@@ -222,9 +227,7 @@ def rank_and_report(
     validate_metrics_table([asdict(score) for score in scores], names)
     board = build_leaderboard(scores, config.select)
     reports = write_reports(board, out_dir) + extra_reports
-    fingerprint_hash = (
-        MlflowClient().get_run(parent_id).data.tags["llmopt.fingerprint"]
-    )  # the machine of them all
+    fingerprint_hash = str(fingerprint["hash"])  # every model of the run was measured on this machine
     runs = {
         name: log_variant_run(
             experiment_id, parent_id, m.manifests[name], m.evaluations[name], m.chosen(name), fingerprint_hash

@@ -46,12 +46,13 @@ class LoadedModel:
     lock: threading.Lock = field(default_factory=threading.Lock)
     keep: Any = None
 
-    def complete(self, prompt: str, max_tokens: int) -> tuple[list[int], list[int]]:
-        """(prompt ids, completion ids), greedy."""
-        prompt_ids = self.runtime.encode(prompt)
+    def complete(self, prompt: str, max_tokens: int) -> tuple[list[int], list[int], str]:
+        """(prompt ids, completion ids, completion text), greedy; the tokenizer is not shared across threads
+        either (fast tokenizers refuse concurrent use), so it runs under the lock too."""
         with self.lock:
+            prompt_ids = self.runtime.encode(prompt)
             (completion,) = self.runtime.generate([prompt_ids], max_tokens)
-        return prompt_ids, completion
+            return prompt_ids, completion, self.runtime.decode(completion)
 
 
 class ServedModel:
@@ -59,8 +60,7 @@ class ServedModel:
 
     def __init__(self, loaded: LoadedModel) -> None:
         self._current = loaded
-        self.last_error: str | None = None  # the last version that failed to load, and why
-        self.swapped_at: float | None = None
+        self.last_error: str | None = None  # why the alias's version is not the one served, if it is not
 
     @property
     def current(self) -> LoadedModel:
@@ -69,7 +69,7 @@ class ServedModel:
     def swap(self, loaded: LoadedModel) -> None:
         """From now on new requests go to `loaded`; requests already running finish on the old model, which is
         freed (download folder included) when the last of them lets go of it."""
-        self._current, self.last_error, self.swapped_at = loaded, None, time.time()
+        self._current, self.last_error = loaded, None
 
 
 def create_app(served: ServedModel | Runtime, model_name: str, version: str, max_new_tokens: int) -> FastAPI:
@@ -98,7 +98,7 @@ def create_app(served: ServedModel | Runtime, model_name: str, version: str, max
     def complete(request: CompletionRequest) -> dict:
         loaded = served.current  # this request's model, even if a swap happens meanwhile
         limit = min(request.max_tokens, max_new_tokens)
-        prompt_ids, completion = loaded.complete(request.prompt, limit)
+        prompt_ids, completion, text = loaded.complete(request.prompt, limit)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -107,7 +107,7 @@ def create_app(served: ServedModel | Runtime, model_name: str, version: str, max
             "choices": [
                 {
                     "index": 0,
-                    "text": loaded.runtime.decode(completion),
+                    "text": text,
                     "finish_reason": "length" if len(completion) >= limit else "stop",
                 }
             ],
@@ -149,16 +149,21 @@ def watch_alias(
 ) -> threading.Thread:
     """A daemon thread that swaps in the version `alias` points to whenever it moves (checked every `every_s`)."""
 
-    def check_once(failed: set[str]) -> None:
+    def check_once(refused: set[str]) -> None:
         from tasks.decide.registry import current_version
+        from tasks.errors import LlmoptError
 
         version = current_version(model_name, alias)
-        if version is None or version == served.current.version or version in failed:
+        if version is None or version == served.current.version:
+            served.last_error = None  # the alias is back on what is served (a rollback): nothing is wrong
+            return
+        if version in refused:
             return
         try:
             loaded = load_version(model_name, version, threads)
-        except Exception as exc:  # any failure: keep serving the old model, say why in /health
-            failed.add(version)
+        except Exception as exc:  # keep serving the old model and say why in /health
+            if isinstance(exc, LlmoptError):
+                refused.add(version)  # its bytes or its registration are wrong: retrying cannot help
             served.last_error = f"v{version} failed to load, still serving v{served.current.version}: {exc}"
             log.error(served.last_error)
             return
@@ -167,11 +172,11 @@ def watch_alias(
         log.warning(f"{model_name}@{alias} moved: now serving v{version} (was v{previous})")
 
     def loop() -> None:
-        failed: set[str] = set()
+        refused: set[str] = set()
         while True:
             time.sleep(every_s)  # the registry has no notifications: poll at the configured pace
             try:
-                check_once(failed)
+                check_once(refused)
             except Exception as exc:  # the registry itself unreachable: keep serving, try again next time
                 served.last_error = f"cannot read {model_name}@{alias}: {exc}"
                 log.error(served.last_error)

@@ -28,8 +28,8 @@ class PreparedBase:
 
 def prepare_base_model(cfg: ModelConfig, out_dir: Path) -> PreparedBase:
     """Build the base folder once; reuse it while the source is unchanged and its bytes still match their hash."""
-    recorded = _read_source_record(out_dir)
-    if recorded and recorded.get("source") == _source_key(cfg):
+    recorded, source_key = _read_source_record(out_dir), _source_key(cfg)
+    if recorded and recorded.get("source") == source_key:
         current = folder_sha256(out_dir, exclude=(SOURCE_FILE,))
         if current == recorded.get("content_hash"):
             return PreparedBase(out_dir, current, cfg.source)
@@ -37,7 +37,7 @@ def prepare_base_model(cfg: ModelConfig, out_dir: Path) -> PreparedBase:
         _materialize(cfg, staging)
         content_hash = folder_sha256(staging)
         (staging / SOURCE_FILE).write_text(
-            json.dumps({"source": _source_key(cfg), "content_hash": content_hash}, indent=2) + "\n"
+            json.dumps({"source": source_key, "content_hash": content_hash}, indent=2) + "\n"
         )
     return PreparedBase(out_dir, content_hash, cfg.source)
 

@@ -67,7 +67,7 @@ def decode_rate(new_tokens: int, total_s: float, ttft_s: float, batch_size: int 
     is reported instead, a lower bound, never an absurd figure from dividing by almost nothing."""
     decode_s = total_s - ttft_s
     if decode_s <= 0.05 * total_s:
-        return batch_size * new_tokens / total_s
+        return batch_size * new_tokens / max(total_s, 1e-9)
     return batch_size * (new_tokens - 1) / decode_s
 
 

@@ -27,8 +27,7 @@ class ReportContext:
     promoted: bool
     version: str | None  # the judged (registered) version, if any
     fingerprint: dict
-    timings: dict[str, float]  # stage → seconds
-    total_s: float
+    timing: str  # where the run's time went (StageClock.line)
     plots: list[Path]  # PNG files, inlined in the HTML
 
 
@@ -80,9 +79,9 @@ def verdict_in_words(board: Leaderboard, ctx: ReportContext) -> list[str]:
     """The decision as sentences: what happened to production, why, and the evidence against the thresholds."""
     v = ctx.verdict
     if ctx.promoted:
-        lines = [f"Production moved to v{ctx.version}. {v.reason}."]
+        lines = [f"Production moved to v{ctx.version}: {v.reason}."]
     else:
-        lines = [f"Production unchanged. {v.reason}."]
+        lines = [f"Production unchanged: {v.reason}."]
     e = v.evidence
     if "speed_ratio_ci" in e:
         low, high = e["speed_ratio_ci"]
@@ -123,12 +122,8 @@ def _machine(fp: dict) -> str:
     )
 
 
-def _timing(ctx: ReportContext) -> str:
-    parts = [f"{name} {seconds:.0f} s" for name, seconds in ctx.timings.items()]
-    return " · ".join(parts) + f" (run total {ctx.total_s:.0f} s)"
-
-
 def to_markdown(board: Leaderboard, ctx: ReportContext) -> str:
+    """The report as markdown (plots linked as files beside it)."""
     header, rows = comparison(board, ctx)
     lines = [
         f"# llmopt run report — {ctx.project}",
@@ -142,7 +137,7 @@ def to_markdown(board: Leaderboard, ctx: ReportContext) -> str:
     lines += ["| " + " | ".join([name, *cells]) + " |" for name, cells in rows]
     lines += ["", "## Every variant", "", board.to_markdown().rstrip(), ""]
     lines += [f"![{p.stem}]({p.name})" for p in ctx.plots]
-    lines += ["", "## Machine and time", "", _machine(ctx.fingerprint), "", _timing(ctx), ""]
+    lines += ["", "## Machine and time", "", _machine(ctx.fingerprint), "", ctx.timing, ""]
     return "\n".join(lines)
 
 
@@ -164,6 +159,7 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def to_html(board: Leaderboard, ctx: ReportContext) -> str:
+    """The report as one self-contained HTML page (plots inlined as data URIs)."""
     header, rows = comparison(board, ctx)
     decision = "".join(f"<p>{html.escape(line)}</p>" for line in verdict_in_words(board, ctx))
     images = "".join(
@@ -184,7 +180,7 @@ def to_html(board: Leaderboard, ctx: ReportContext) -> str:
 <p class="muted">★ winner, ◆ Pareto frontier (accuracy, speed, memory), ✗ outside the accuracy budget.
 {html.escape(board.reason)}</p>
 {images}
-<h2>Machine and time</h2><p>{html.escape(_machine(ctx.fingerprint))}</p><p>{html.escape(_timing(ctx))}</p>
+<h2>Machine and time</h2><p>{html.escape(_machine(ctx.fingerprint))}</p><p>{html.escape(ctx.timing)}</p>
 </body></html>
 """
 

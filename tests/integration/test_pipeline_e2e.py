@@ -53,7 +53,7 @@ def test_repro_prints_leaderboard_and_registration(project):
 def test_the_run_report_compares_baseline_and_challenger_and_says_what_was_decided(project):
     root, _ = project
     page = (root / ".llmopt/reports/report.html").read_text()
-    assert "Production moved to v1. no production version yet" in page
+    assert "Production moved to v1: no production version yet" in page
     assert "baseline (baseline)" in page and "data:image/png;base64," in page  # plots inlined: one file
     for measure in (
         "time to first token, ms",

@@ -35,8 +35,7 @@ def board_and_context(promoted: bool):
         promoted,
         "2",
         {"hash": "abc"},
-        {"build": 3.0},
-        9.0,
+        "build 3 s (total 9 s)",
         [],
     )
     return board, context
@@ -47,7 +46,7 @@ def test_the_report_compares_baseline_production_and_challenger_and_explains_the
     markdown = to_markdown(board, context)
     header = next(line for line in markdown.splitlines() if line.startswith("| measure"))
     assert header == "| measure | baseline (baseline) | production v1 (bf16) | challenger (int8) |"
-    assert "Production moved to v2." in markdown and "interval 1.12–1.50" in markdown
+    assert "Production moved to v2: int8 beats" in markdown and "interval 1.12–1.50" in markdown
     assert "| throughput tok/s, batch 8 | — | — | 200.0 |" in markdown
     assert (
         "No speedup on this machine: bf16" in markdown
@@ -58,7 +57,7 @@ def test_the_report_compares_baseline_production_and_challenger_and_explains_the
 
 def test_a_refusal_reads_as_production_unchanged():
     board, context = board_and_context(promoted=False)
-    assert "Production unchanged. int8 beats" in to_markdown(board, context)
+    assert "Production unchanged: int8 beats" in to_markdown(board, context)
     assert 'class="refused"' in to_html(board, context)
 
 

@@ -1,0 +1,24 @@
+"""Schedule settings: exactly one of cron and interval, and a cron Prefect would refuse is a config error."""
+
+import pytest
+from pydantic import ValidationError
+
+from flows.schedule import check_schedule
+from tasks.config import Config, ScheduleConfig
+from tasks.errors import ConfigError
+
+
+def test_an_interval_replaces_the_nightly_cron_only_when_cron_is_cleared():
+    assert ScheduleConfig().when == {"cron": "0 3 * * *"}
+    assert ScheduleConfig(cron=None, interval_s=60).when == {"interval": 60}
+    with pytest.raises(ValidationError, match="exactly one of cron and interval_s"):
+        ScheduleConfig(interval_s=60)
+
+
+def test_a_cron_prefect_would_refuse_is_named_before_anything_starts():
+    config = Config(variants={"baseline": {}}, schedule={"cron": "61 * * * *"})
+    with pytest.raises(
+        ConfigError, match="schedule.cron: '61 \\* \\* \\* \\*' is not a valid cron expression"
+    ):
+        check_schedule(config)
+    check_schedule(Config(variants={"baseline": {}}))
