@@ -224,7 +224,8 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (default: serve.port).")] = None,
     debug: DebugOption = False,
 ) -> None:
-    """Serve `models:/<project.name>@<alias>` over HTTP (OpenAI-style /v1/completions)."""
+    """Serve `models:/<project.name>@<alias>` over HTTP (OpenAI-style /v1/completions); when the alias moves
+    (checked every serve.watch_s), the new version is verified, loaded and swapped in without dropping requests."""
     with _user_errors(debug):
         config, root = _setup(params, debug)
         from serving.app import serve_registered_model
@@ -321,6 +322,7 @@ def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
     os.environ["PREFECT_API_URL"] = prefect_api_url(config)
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
     from flows.schedule import check_schedule  # imports Prefect: only now
+
     check_target(config)
     check_model_source(config.model)
     check_schedule(config)
