@@ -62,13 +62,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin"
 
 def decode_rate(new_tokens: int, total_s: float, ttft_s: float, batch_size: int = 1) -> float:
     """Tokens per second after the first token, all sequences of the batch together; the first token's cost
-    belongs to TTFT. When the decode part is within the timing noise (under 5 % of the call, as for a tiny model
-    whose generate call costs more than its tokens), the difference is meaningless: the rate over the whole call
-    is reported instead, a lower bound, never an absurd figure from dividing by almost nothing."""
-    decode_s = total_s - ttft_s
-    if decode_s <= 0.05 * total_s:
-        return batch_size * new_tokens / max(total_s, 1e-9)
-    return batch_size * (new_tokens - 1) / decode_s
+    belongs to TTFT."""
+    return batch_size * (new_tokens - 1) / max(total_s - ttft_s, 1e-9)
 
 
 def measure(
