@@ -12,7 +12,7 @@ export PATH := $(BIN):$(PATH)
 .PHONY: help run test test-fast lint format install lock corpus bench repro serve ui schedule services-down clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 run: install corpus ## install if needed, reproduce the pipeline with DVC, push weights to the DVC remote
 	dvc repro
