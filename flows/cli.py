@@ -246,33 +246,36 @@ app.add_typer(services_app, name="services")
 def services_up(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Start the configured services in the background (no-op for those already up) and wait until they answer."""
     with _user_errors(debug):
-        from flows.services import configured_services, start
+        from flows.services import start
 
-        config, root = load_config(params), params.resolve().parent
-        for service in configured_services(config, root):
-            console.print(start(service), soft_wrap=True, highlight=False)
+        _each_service(load_config(params), params, start)
 
 
 @services_app.command("down")
 def services_down(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Stop the services llmopt started (their data stays under project.workdir/services)."""
     with _user_errors(debug):
-        from flows.services import configured_services, stop
+        from flows.services import stop
 
-        config, root = load_config(params), params.resolve().parent
-        for service in reversed(configured_services(config, root)):
-            console.print(stop(service), soft_wrap=True, highlight=False)
+        _each_service(load_config(params), params, stop, last_first=True)
 
 
 @services_app.command("status")
 def services_status(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Whether each configured service is up and answering."""
     with _user_errors(debug):
-        from flows.services import configured_services, status
+        from flows.services import status
 
-        config, root = load_config(params), params.resolve().parent
-        for service in configured_services(config, root):
-            console.print(status(service), soft_wrap=True, highlight=False)
+        _each_service(load_config(params), params, status)
+
+
+def _each_service(config: Config, params: Path, action, last_first: bool = False) -> None:
+    """Apply `action` (start, stop, status) to every configured service and print its one-line answer."""
+    from flows.services import configured_services
+
+    services = configured_services(config, params.resolve().parent)
+    for service in reversed(services) if last_first else services:
+        console.print(action(service), soft_wrap=True, highlight=False)
 
 
 @app.command()
@@ -314,7 +317,7 @@ def schedule(
 def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
     """Prefect pointed at the Prefect server (before Prefect is first imported: it reads its settings once), the
     cheap checks, then the services up."""
-    from flows.services import configured_services, prefect_api_url, start
+    from flows.services import prefect_api_url, start
     from tasks.inputs.load import check_model_source
     from tasks.targets import check_target
 
@@ -326,8 +329,7 @@ def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
     check_target(config)
     check_model_source(config.model)
     check_schedule(config)
-    for service in configured_services(config, params.resolve().parent):
-        console.print(start(service), soft_wrap=True, highlight=False)
+    _each_service(config, params, start)
     return _setup_flow_run(params, debug)
 
 

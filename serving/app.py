@@ -123,23 +123,15 @@ def create_app(served: ServedModel | Runtime, model_name: str, version: str, max
 
 def load_version(model_name: str, version: str, threads: int) -> LoadedModel:
     """Download a registered version, check its bytes against the hash the registry recorded, load and warm it."""
-    from tasks.decide.registry import download_version, version_tags
+    from tasks.decide.registry import download_verified
     from tasks.engines import load_runtime
-    from tasks.engines.manifest import MANIFEST_FILE, read_manifest
-    from tasks.errors import RegistryError
-    from tasks.storage import folder_sha256
 
     scratch = tempfile.TemporaryDirectory(prefix=f"llmopt-serve-v{version}-")
-    folder = download_version(model_name, version, Path(scratch.name))
-    recorded = version_tags(model_name, version).get("llmopt.content_hash")
-    actual = folder_sha256(folder, exclude=(MANIFEST_FILE,))
-    if actual != read_manifest(folder).content_hash or (recorded and actual != recorded):
+    try:
+        runtime = load_runtime(download_verified(model_name, version, Path(scratch.name)), threads)
+    except BaseException:
         scratch.cleanup()
-        raise RegistryError(
-            f"{model_name} v{version}: downloaded bytes hash to {actual[:12]}, the registry recorded "
-            f"{(recorded or '?')[:12]}; refusing to serve them"
-        )
-    runtime = load_runtime(folder, threads)
+        raise
     runtime.generate([runtime.encode("warm up")], 1)  # the first call pays for allocation, not a client
     return LoadedModel(version, runtime, keep=scratch)
 

@@ -143,18 +143,41 @@ def registered_version(model_name: str, version: str) -> RegisteredVersion:
 
 def fetch_version(model_name: str, version: RegisteredVersion, dest: Path) -> Path:
     """The variant folder of `version` in `dest`: kept when it is that version's model and its bytes still match
-    their manifest, else downloaded afresh (staged, so an interrupted download is never used)."""
+    their manifest, else downloaded afresh and verified (staged, so an interrupted download is never used)."""
     from tasks.engines.manifest import MANIFEST_FILE, read_manifest
-    from tasks.storage import folder_sha256, staged_folder
+    from tasks.storage import staged_folder
 
     for manifest_path in dest.glob(f"**/{MANIFEST_FILE}"):
         folder, manifest = manifest_path.parent, read_manifest(manifest_path.parent)
-        same_model = manifest.model_hash == version.model_hash
-        if same_model and folder_sha256(folder, exclude=(MANIFEST_FILE,)) == manifest.content_hash:
+        if manifest.model_hash == version.model_hash and bytes_hash(folder) == manifest.content_hash:
             return folder
     with staged_folder(dest) as staging:
-        relative = download_version(model_name, version.version, staging).relative_to(staging)
+        relative = download_verified(model_name, version.version, staging).relative_to(staging)
     return dest / relative
+
+
+def bytes_hash(folder: Path) -> str:
+    """SHA-256 of a variant folder's files, its manifest excepted: what the manifest and the registry record."""
+    from tasks.engines.manifest import MANIFEST_FILE
+    from tasks.storage import folder_sha256
+
+    return folder_sha256(folder, exclude=(MANIFEST_FILE,))
+
+
+def download_verified(model_name: str, version: str, dest: Path) -> Path:
+    """`download_version`, then its bytes checked against its manifest and the hash recorded at registration; a
+    mismatch (a damaged upload, a tampered store) is a RegistryError naming both hashes."""
+    from tasks.engines.manifest import read_manifest
+
+    folder = download_version(model_name, version, dest)
+    recorded = version_tags(model_name, version).get("llmopt.content_hash")
+    actual = bytes_hash(folder)
+    if actual != read_manifest(folder).content_hash or (recorded and actual != recorded):
+        raise RegistryError(
+            f"{model_name} v{version}: downloaded bytes hash to {actual[:12]}, the registry recorded "
+            f"{(recorded or '?')[:12]}; refusing to use them"
+        )
+    return folder
 
 
 def set_candidate(registration: Registration) -> None:

@@ -68,39 +68,45 @@ def test_a_promotion_is_swapped_in_under_load_and_a_corrupted_version_is_refused
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    answers: list[tuple[int, str]] = []
-    stop = threading.Event()
+    answers: list[tuple[int, str]] = []  # (status, model) of every completion, in order
+    swap_errors: list[str | None] = []  # /health's swap_error after each completion
+    stop, changed = threading.Event(), threading.Condition()
 
     def keep_asking() -> None:
+        body = {"prompt": "The river walks", "max_tokens": 4}
         with httpx.Client(timeout=30) as http:
             while not stop.is_set():
-                body = {"prompt": "The river walks", "max_tokens": 4}
                 try:
                     reply = http.post(f"{url}/v1/completions", json=body)
-                    answers.append((reply.status_code, reply.json().get("model", reply.text)))
+                    answer = (reply.status_code, reply.json().get("model", reply.text))
+                    swap_error = http.get(f"{url}/health").json()["swap_error"]
                 except (httpx.HTTPError, ValueError) as exc:  # a dropped request counts as a failure
-                    answers.append((0, repr(exc)))
+                    answer, swap_error = (0, repr(exc)), None
+                with changed:
+                    answers.append(answer)
+                    swap_errors.append(swap_error)
+                    changed.notify_all()
+
+    def wait_for(condition, what: str) -> None:
+        with changed:
+            assert changed.wait_for(condition, timeout=60), f"timed out waiting for {what}"
 
     try:
         _wait_for_health(server, url, log_file)
         asker = threading.Thread(target=keep_asking)
         asker.start()
-        _wait_until(lambda: len(answers) >= 5, "answers from v1")
+        wait_for(lambda: len(answers) >= 5, "answers from v1")
         run(root, "llmopt", "promote", versions["bf16"], "--force", "--reason", "hot swap under load")
-        _wait_until(
-            lambda: answers[-1][1] == f"{MODEL}/{versions['bf16']}", "answers from the promoted version"
-        )
+        wait_for(lambda: answers[-1][1] == f"{MODEL}/{versions['bf16']}", "answers from the promoted version")
         seen = len(answers)
-        _wait_until(lambda: len(answers) >= seen + 5, "more answers after the swap")
+        wait_for(lambda: len(answers) >= seen + 5, "more answers after the swap")
 
         corrupted = _register_corrupted_copy(root, client, versions["bf16"])
         run(root, "llmopt", "promote", corrupted, "--force", "--reason", "a damaged upload")
-        _wait_until(
-            lambda: "failed to load" in str(httpx.get(f"{url}/health").json()["swap_error"]), "the refusal"
-        )
-        health = httpx.get(f"{url}/health").json()
+        wait_for(lambda: "failed to load" in str(swap_errors[-1]), "the refusal")
         seen = len(answers)
-        _wait_until(lambda: len(answers) >= seen + 3, "answers after the refused swap")
+        wait_for(lambda: len(answers) >= seen + 3, "answers after the refused swap")
+        health = httpx.get(f"{url}/health").json()
         stop.set()
         asker.join(timeout=60)
     finally:
@@ -116,7 +122,7 @@ def test_a_promotion_is_swapped_in_under_load_and_a_corrupted_version_is_refused
     assert set(served[:switch]) == {f"{MODEL}/{versions['baseline']}"}  # v1 until the swap ...
     assert set(served[switch:]) == {f"{MODEL}/{versions['bf16']}"}  # ... then v2, never back, never v3
     assert health["version"] == versions["bf16"] and f"v{corrupted} failed to load" in health["swap_error"]
-    assert "refusing to serve them" in health["swap_error"] and "refusing to serve them" in log
+    assert "refusing to use them" in health["swap_error"] and "refusing to use them" in log
 
 
 def _register_corrupted_copy(root: Path, client, version: str) -> str:
@@ -145,15 +151,9 @@ def _wait_for_health(server: subprocess.Popen, url: str, log_file: Path) -> None
         except httpx.TransportError:
             return False
 
-    _wait_until(healthy, "the server to answer", timeout_s=120)
-
-
-def _wait_until(condition, what: str, timeout_s: float = 60) -> None:
-    """Poll `condition` (bounded by a deadline): the server offers no event to wait on."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+    deadline = time.monotonic() + 120
+    while not healthy():  # a starting server offers nothing to wait on but its port
+        assert time.monotonic() < deadline, "timed out waiting for the server to answer"
         time.sleep(0.05)
 
 
