@@ -219,20 +219,29 @@ def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = Fal
 @app.command()
 def serve(
     params: ParamsOption = Path("params.yaml"),
-    alias: Annotated[str | None, typer.Option(help="Registry alias to serve (default: serve.alias).")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="What to serve, repeatable: a registry alias of this project's model, name@alias or name/version "
+            "(default: serve.models). The first answers requests that name no model.",
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default: serve.host).")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: serve.port).")] = None,
     debug: DebugOption = False,
 ) -> None:
-    """Serve `models:/<project.name>@<alias>` over HTTP (OpenAI-style /v1/completions); when the alias moves
-    (checked every serve.watch_s), the new version is verified, loaded and swapped in without dropping requests."""
+    """Serve registered models over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions (streaming
+    too), TGI-compatible /generate and /generate_stream, /health, /ready, Prometheus /metrics. Concurrent requests
+    are batched per model; when an alias moves (checked every serve.watch_s) the new version is verified, loaded
+    and swapped in without dropping requests. With $LLMOPT_API_KEY set (serve.api_key_env), clients need it."""
     with _user_errors(debug):
         config, root = _setup(params, debug)
-        from serving.app import serve_registered_model
+        from serving.app import serve_registered_models
 
-        serve_registered_model(
-            config, root, alias or config.serve.alias, host or config.serve.host, port or config.serve.port
-        )
+        refs = model or config.serve.models
+        serve_registered_models(config, root, refs, host or config.serve.host, port or config.serve.port)
 
 
 services_app = typer.Typer(

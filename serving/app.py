@@ -1,198 +1,419 @@
-"""HTTP serving of a registered variant: OpenAI-style /v1/completions, /v1/models and /health.
+"""The HTTP server: OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models`; TGI-compatible
+`/generate`, `/generate_stream` (and `/`, which TGI's clients post to); `/health`, `/ready`, Prometheus `/metrics`.
 
-The served model is swapped whole when the registry alias moves (the deploy stage): a watcher loads the new
-version beside the old one, verifies its bytes, warms it up and only then replaces it. A request keeps the model it
-started on, so nothing in flight is dropped; a version that fails to load leaves the old one serving and the
-failure shows in /health."""
+Requests never touch an engine: they queue on their model's scheduler (serving/scheduler.py), which batches them.
+Every refusal is a JSON error with a status a client can act on (400 context, 401 key, 404 model, 413 body, 422
+fields, 429 queue full with Retry-After, 504 timeout); nothing a client sends can take the server down or show
+it a traceback."""
 
 from __future__ import annotations
 
+import json
 import logging
-import tempfile
-import threading
+import os
+import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tasks.config import Config
-from tasks.engines import Runtime
+from serving.generation import RETRY_AFTER_S, Finish, Generation, Piece
+from serving.metrics import ServerMetrics
+from serving.models import ModelRouter, ServedModel
+from serving.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from serving.text import RequestError, chat_prompt
+from tasks.config import ServeConfig
 
 log = logging.getLogger("llmopt.serve")
+TGI_DEFAULT_NEW_TOKENS = 100  # TGI's own default when a request names no max_new_tokens
 
 
-class CompletionRequest(BaseModel):
-    """The subset of OpenAI's completion request this server honours; unknown fields are refused."""
+def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI application around the served models (their schedulers are closed when it shuts down)."""
+    metrics = metrics or ServerMetrics()
 
-    model_config = ConfigDict(extra="forbid")
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        for model in router.models:  # uvicorn has let in-flight requests finish; now stop the workers
+            model.current.scheduler.close()
 
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1, le=4096)
-    model: str | None = None
-    temperature: float = Field(0.0, ge=0.0, le=0.0, description="Greedy decoding only, for now.")
-
-
-@dataclass(eq=False)
-class LoadedModel:
-    """One loaded version. Its engine runs one generation at a time (neither og.Model nor a torch module is safe
-    to drive from several request threads); `keep` holds whatever must live as long as it (its download)."""
-
-    version: str
-    runtime: Runtime
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    keep: Any = None
-
-    def complete(self, prompt: str, max_tokens: int) -> tuple[list[int], list[int], str]:
-        """(prompt ids, completion ids, completion text), greedy; the tokenizer is not shared across threads
-        either (fast tokenizers refuse concurrent use), so it runs under the lock too."""
-        with self.lock:
-            prompt_ids = self.runtime.encode(prompt)
-            (completion,) = self.runtime.generate([prompt_ids], max_tokens)
-            return prompt_ids, completion, self.runtime.decode(completion)
-
-
-class ServedModel:
-    """The model the server answers with right now, replaced atomically by `swap`."""
-
-    def __init__(self, loaded: LoadedModel) -> None:
-        self._current = loaded
-        self.last_error: str | None = None  # why the alias's version is not the one served, if it is not
-
-    @property
-    def current(self) -> LoadedModel:
-        return self._current
-
-    def swap(self, loaded: LoadedModel) -> None:
-        """From now on new requests go to `loaded`; requests already running finish on the old model, which is
-        freed (download folder included) when the last of them lets go of it."""
-        self._current, self.last_error = loaded, None
-
-
-def create_app(served: ServedModel | Runtime, model_name: str, version: str, max_new_tokens: int) -> FastAPI:
-    """The FastAPI application around the served model (a bare runtime is served as `version`, never swapped)."""
-    if not isinstance(served, ServedModel):
-        served = ServedModel(LoadedModel(version, served))
-    app = FastAPI(title="llmopt server", version="0.1.0")
+    app = FastAPI(title="llmopt server", version="0.2.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_kb * 1024)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    _add_error_handlers(app)
+    auth = [Depends(api_key_check(os.environ.get(settings.api_key_env) or None))]
+    start = _starter(router, settings, metrics)
 
     @app.get("/health")
     def health() -> dict:
-        loaded = served.current
+        default = router.models[0]
         return {
             "status": "ok",
-            "model": f"{model_name}/{loaded.version}",
-            "version": loaded.version,
-            "variant": loaded.runtime.manifest.name,
-            "swap_error": served.last_error,
+            "model": default.served_id,
+            "version": default.current.version,
+            "variant": default.current.runtime.manifest.name,
+            "swap_error": default.last_error,
+            "models": [_describe(model) for model in router.models],
         }
 
-    @app.get("/v1/models")
+    @app.get("/ready")
+    def ready() -> JSONResponse:
+        down = [model.name for model in router.models if not model.current.scheduler.alive]
+        return JSONResponse({"ready": not down, "not_ready": down}, status_code=503 if down else 200)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        for model in router.models:
+            metrics.queue_depth.labels(model.name).set(model.current.scheduler.queued)
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=auth)
     def models() -> dict:
-        served_id = f"{model_name}/{served.current.version}"
-        return {"object": "list", "data": [{"id": served_id, "object": "model", "owned_by": "llmopt"}]}
-
-    @app.post("/v1/completions")
-    def complete(request: CompletionRequest) -> dict:
-        loaded = served.current  # this request's model, even if a swap happens meanwhile
-        limit = min(request.max_tokens, max_new_tokens)
-        prompt_ids, completion, text = loaded.complete(request.prompt, limit)
         return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": f"{model_name}/{loaded.version}",
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "finish_reason": "length" if len(completion) >= limit else "stop",
-                }
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(completion),
-                "total_tokens": len(prompt_ids) + len(completion),
-            },
+            "object": "list",
+            "data": [{"id": m.name, "object": "model", "owned_by": "llmopt"} for m in router.models],
         }
+
+    @app.post("/v1/completions", dependencies=auth, response_model=None)
+    async def completions(body: CompletionRequest, http: Request) -> Any:
+        served = router.route(body.model)
+        prompt = served.current.runtime.encode(body.prompt)
+        generation = start(served, prompt, min(body.max_tokens, settings.max_new_tokens), body)
+        shape = _completion_shape(served, generation)
+        if body.stream:
+            return _sse(_openai_chunks(generation, shape, body.include_usage))
+        return await _openai_whole(generation, shape, http)
+
+    @app.post("/v1/chat/completions", dependencies=auth, response_model=None)
+    async def chat_completions(body: ChatRequest, http: Request) -> Any:
+        served = router.route(body.model)
+        runtime = served.current.runtime
+        prompt = runtime.encode(chat_prompt(runtime.tokenizer, [m.model_dump() for m in body.messages]))
+        generation = start(served, prompt, body.token_budget(settings.max_new_tokens), body)
+        shape = _chat_shape(served, generation)
+        if body.stream:
+            return _sse(_openai_chunks(generation, shape, body.include_usage))
+        return await _openai_whole(generation, shape, http)
+
+    async def tgi(body: GenerateRequest, http: Request, stream: bool) -> Any:
+        served = router.models[0]  # TGI's API names no model: the default one answers
+        params = body.parameters
+        budget = min(params.max_new_tokens or TGI_DEFAULT_NEW_TOKENS, settings.max_new_tokens)
+        prompt = served.current.runtime.encode(body.inputs)
+        generation = start(served, prompt, budget, params)
+        if stream:
+            return _sse(_tgi_events(generation, params.seed), done_line=False)
+        return await _tgi_whole(generation, body, http)
+
+    @app.post("/generate", dependencies=auth, response_model=None)
+    async def generate(body: GenerateRequest, http: Request) -> Any:
+        return await tgi(body, http, stream=False)
+
+    @app.post("/generate_stream", dependencies=auth, response_model=None)
+    async def generate_stream(body: GenerateRequest, http: Request) -> Any:
+        return await tgi(body, http, stream=True)
+
+    @app.post("/", dependencies=auth, response_model=None)
+    async def tgi_compat(body: GenerateRequest, http: Request) -> Any:
+        """TGI's route for clients posting to the server's base URL (huggingface_hub's InferenceClient)."""
+        answer = await tgi(body, http, stream=body.stream)
+        return answer if body.stream else [answer]
 
     return app
 
 
-def load_version(model_name: str, version: str, threads: int) -> LoadedModel:
-    """Download a registered version, check its bytes against the hash the registry recorded, load and warm it."""
-    from tasks.decide.registry import download_verified
-    from tasks.engines import load_runtime
+def _starter(router: ModelRouter, settings: ServeConfig, metrics: ServerMetrics) -> Callable[..., Generation]:
+    def start(served: ServedModel, prompt: list[int], max_tokens: int, body: Any) -> Generation:
+        stops = body.stops() if hasattr(body, "stops") else list(body.stop or [])
+        generation = Generation(
+            served, prompt, max_tokens, body.sampling(), stops, settings.request_timeout_s, metrics
+        )
+        generation.start()
+        return generation
 
-    scratch = tempfile.TemporaryDirectory(prefix=f"llmopt-serve-v{version}-")
-    try:
-        runtime = load_runtime(download_verified(model_name, version, Path(scratch.name)), threads)
-    except BaseException:
-        scratch.cleanup()
-        raise
-    runtime.generate([runtime.encode("warm up")], 1)  # the first call pays for allocation, not a client
-    return LoadedModel(version, runtime, keep=scratch)
+    return start
 
 
-def watch_alias(
-    served: ServedModel, model_name: str, alias: str, threads: int, every_s: float
-) -> threading.Thread:
-    """A daemon thread that swaps in the version `alias` points to whenever it moves (checked every `every_s`)."""
+def _describe(model: ServedModel) -> dict:
+    return {
+        "id": model.name,
+        "version": model.current.version,
+        "variant": model.current.runtime.manifest.name,
+        "engine": model.current.runtime.manifest.engine,
+        "queued": model.current.scheduler.queued,
+        "in_flight": model.current.scheduler.in_flight,
+        "swap_error": model.last_error,
+    }
 
-    def check_once(refused: set[str]) -> None:
-        from tasks.decide.registry import current_version
-        from tasks.errors import LlmoptError
 
-        version = current_version(model_name, alias)
-        if version is None or version == served.current.version:
-            served.last_error = None  # the alias is back on what is served (a rollback): nothing is wrong
-            return
-        if version in refused:
-            return
+# --- OpenAI wire format -----------------------------------------------------------------------------------------
+
+
+def _completion_shape(served: ServedModel, generation: Generation) -> dict:
+    return {
+        "kind": "text_completion",
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "model": served.served_id,
+        "prompt_tokens": len(generation.prompt),
+    }
+
+
+def _chat_shape(served: ServedModel, generation: Generation) -> dict:
+    return {
+        "kind": "chat.completion",
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "model": served.served_id,
+        "prompt_tokens": len(generation.prompt),
+    }
+
+
+def _usage(shape: dict, completion_tokens: int) -> dict:
+    prompt = shape["prompt_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
+
+
+def _choice(shape: dict, text: str | None, finish: str | None, stream: bool, first: bool = False) -> dict:
+    if shape["kind"] == "text_completion":
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    if not stream:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+    delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+    return {"index": 0, "delta": delta, "finish_reason": finish}
+
+
+def _envelope(shape: dict, choices: list[dict], stream: bool) -> dict:
+    kind = shape["kind"] + (".chunk" if stream and shape["kind"] == "chat.completion" else "")
+    return {
+        "id": shape["id"],
+        "object": kind,
+        "created": int(time.time()),
+        "model": shape["model"],
+        "choices": choices,
+    }
+
+
+async def _openai_whole(generation: Generation, shape: dict, http: Request) -> dict:
+    text, finish = [], None
+    async for event in generation.events(http.is_disconnected):
+        if isinstance(event, Piece):
+            text.append(event.text)
+        else:
+            finish = event
+    body = _envelope(shape, [_choice(shape, "".join(text), finish.reason, stream=False)], stream=False)
+    return {**body, "usage": _usage(shape, finish.completion_tokens)}
+
+
+async def _openai_chunks(generation: Generation, shape: dict, include_usage: bool) -> AsyncIterator[dict]:
+    first = True
+    async for event in generation.events():
+        if isinstance(event, Piece):
+            if event.text or first:
+                yield _envelope(
+                    shape, [_choice(shape, event.text, None, stream=True, first=first)], stream=True
+                )
+                first = False
+            continue
+        yield _envelope(shape, [_choice(shape, None, event.reason, stream=True)], stream=True)
+        if include_usage:
+            yield {**_envelope(shape, [], stream=True), "usage": _usage(shape, event.completion_tokens)}
+
+
+# --- TGI wire format --------------------------------------------------------------------------------------------
+
+
+async def _tgi_whole(generation: Generation, body: GenerateRequest, http: Request) -> dict:
+    tokens, finish = [], None
+    async for event in generation.events(http.is_disconnected):
+        if isinstance(event, Piece):
+            tokens.append(event)
+        else:
+            finish = event
+    text = "".join(piece.text for piece in tokens)
+    answer: dict[str, Any] = {
+        "generated_text": (body.inputs + text) if body.parameters.return_full_text else text
+    }
+    if body.parameters.details:
+        answer["details"] = {
+            **_tgi_details(finish, body.parameters.seed),
+            "prefill": [],
+            "tokens": [_tgi_token(piece) for piece in tokens if piece.token is not None],
+        }
+    return answer
+
+
+async def _tgi_events(generation: Generation, seed: int | None) -> AsyncIterator[dict]:
+    text, pending = [], None  # the last token is sent with the final event, which carries the whole text
+    async for event in generation.events():
+        if isinstance(event, Piece):
+            text.append(event.text)
+            if event.token is None and pending is not None:  # released tail text rides on the last token
+                pending.text += event.text
+                continue
+            if pending is not None:
+                yield {
+                    "index": len(text) - 1,
+                    "token": _tgi_token(pending),
+                    "generated_text": None,
+                    "details": None,
+                }
+            pending = event
+            continue
+        final = pending or Piece("", generation.loaded.runtime.eos_token_id or 0, 0.0)
+        yield {
+            "index": len(text),
+            "token": _tgi_token(final),
+            "generated_text": "".join(text),
+            "details": _tgi_details(event, seed),
+        }
+
+
+def _tgi_token(piece: Piece) -> dict:
+    return {"id": piece.token, "text": piece.text, "logprob": piece.logprob, "special": False}
+
+
+def _tgi_details(finish: Finish, seed: int | None) -> dict:
+    reason = {"stop": "eos_token", "length": "length"}[finish.reason]
+    return {"finish_reason": reason, "generated_tokens": finish.completion_tokens, "seed": seed}
+
+
+# --- transport: SSE, errors, key, body limit, metrics -----------------------------------------------------------
+
+
+def _sse(events: AsyncIterator[dict], done_line: bool = True) -> StreamingResponse:
+    """Server-sent events; an error after the stream has started is sent as a last `error` event."""
+
+    async def lines() -> AsyncIterator[str]:
         try:
-            loaded = load_version(model_name, version, threads)
-        except Exception as exc:  # keep serving the old model and say why in /health
-            if isinstance(exc, LlmoptError):
-                refused.add(version)  # its bytes or its registration are wrong: retrying cannot help
-            served.last_error = f"v{version} failed to load, still serving v{served.current.version}: {exc}"
-            log.error(served.last_error)
+            async for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
+        except RequestError as exc:
+            yield f"data: {json.dumps({'error': str(exc), 'error_type': exc.kind})}\n\n"
+        if done_line:
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def refused(_: Request, exc: RequestError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+        if exc.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return _error(exc.status, str(exc), exc.kind, headers)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        log.exception(f"{request.method} {request.url.path} failed")  # the traceback stays in the server log
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log", "server_error")
+
+
+def api_key_check(key: str | None) -> Callable[[Request], None]:
+    """A dependency refusing requests without `Authorization: Bearer <key>` (no key configured: all pass)."""
+
+    def check(request: Request) -> None:
+        if key is None:
             return
-        previous = served.current.version
-        served.swap(loaded)
-        log.warning(f"{model_name}@{alias} moved: now serving v{version} (was v{previous})")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), key.encode()):
+            raise RequestError(
+                401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error"
+            )
 
-    def loop() -> None:
-        refused: set[str] = set()
-        while True:
-            time.sleep(every_s)  # the registry has no notifications: poll at the configured pace
-            try:
-                check_once(refused)
-            except Exception as exc:  # the registry itself unreachable: keep serving, try again next time
-                served.last_error = f"cannot read {model_name}@{alias}: {exc}"
-                log.error(served.last_error)
-
-    thread = threading.Thread(target=loop, name="llmopt-alias-watch", daemon=True)
-    thread.start()
-    return thread
+    return check
 
 
-def serve_registered_model(config: Config, root: Path, alias: str, host: str, port: int) -> None:
-    """Serve `models:/<name>@<alias>` with uvicorn, following the alias when it moves (serve.watch_s)."""
+class BodyLimit:
+    """Refuses request bodies over `max_bytes` with 413, whether or not they declare their length."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _error(
+                413, f"request body over {self.max_bytes} bytes (serve.max_body_kb)", "too_large"
+            )(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise RequestError(
+                    413, f"request body over {self.max_bytes} bytes (serve.max_body_kb)", "too_large"
+                )
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class RequestMetrics:
+    """Counts every request by route and status and times it until its last byte is sent (streams included)."""
+
+    ROUTES = {"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/models"}
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.ROUTES else "other"
+        started, status = time.monotonic(), [500]
+
+        async def timed(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.metrics.requests.labels(route, str(status[0])).inc()
+                self.metrics.latency.labels(route).observe(time.monotonic() - started)
+
+        await self.app(scope, receive, timed)
+
+
+def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, port: int) -> None:
+    """Serve registered models (`serve.models` entries) with uvicorn, following each alias when it moves."""
     import uvicorn
 
+    from serving.models import Limits, load_version, parse_model_ref, watch_alias
     from tasks.decide.registry import current_version
     from tasks.errors import RegistryError
     from tasks.report.tracking import configure_tracking
 
     configure_tracking(config.tracking, root)
-    name = config.project.name
-    version = current_version(name, alias)
-    if version is None:
-        raise RegistryError(f"no model version {name}@{alias} in the registry; run `llmopt run` first")
-    served = ServedModel(load_version(name, version, config.target.threads))
-    if config.serve.watch_s > 0:
-        watch_alias(served, name, alias, config.target.threads, config.serve.watch_s)
-    app = create_app(served, name, version, config.serve.max_new_tokens)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    settings, metrics, limits = config.serve, ServerMetrics(), Limits.of(config.serve)
+    served = []
+    for ref in refs:
+        name, alias, version = parse_model_ref(ref, config.project.name)
+        version = version or current_version(name, alias)
+        if version is None:
+            raise RegistryError(f"no model version {name}@{alias} in the registry; run `llmopt run` first")
+        model = ServedModel(name, alias, load_version(name, version, config.target.threads, limits, metrics))
+        if alias and settings.watch_s > 0:
+            watch_alias(model, config.target.threads, settings.watch_s, limits, metrics)
+        served.append(model)
+    app = create_app(ModelRouter(served), settings, metrics)
+    # uvicorn lets in-flight requests (streams included) finish on SIGTERM/Ctrl-C before the lifespan shutdown
+    uvicorn.run(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=settings.request_timeout_s
+    )

@@ -348,11 +348,23 @@ class TrackingConfig(Strict):
 class ServeConfig(Strict):
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
-    alias: str = "production"
+    # What the server answers with, routed by the request's `model` field (the first answers requests naming
+    # none): a registry alias of this project's model, `name@alias` of any registered model, or `name/version`.
+    models: Annotated[
+        list[Annotated[str, Field(pattern=r"^[\w.\-]+([@/][\w.\-]+)?$")]], Field(min_length=1)
+    ] = ["production"]
     max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 64
-    # How often the server asks the registry where the alias points; a move is loaded, verified and swapped in
+    # How often the server asks the registry where each alias points; a move is loaded, verified and swapped in
     # without dropping requests. 0: never (serve what was loaded at start).
     watch_s: Annotated[float, Field(ge=0, le=86_400)] = 10.0
+    # Requests decoded together per model (iteration-level batching); 1 runs them one after another.
+    max_batch: Annotated[int, Field(ge=1, le=64)] = 8
+    # Requests waiting per model beyond the batch; more get 429 with Retry-After instead of an unbounded wait.
+    max_queue: Annotated[int, Field(ge=1, le=10_000)] = 64
+    request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0  # queued + generating, then 504
+    # Clients must send `Authorization: Bearer <key>` when this environment variable is set (and not empty).
+    api_key_env: str = "LLMOPT_API_KEY"
+    max_body_kb: Annotated[int, Field(ge=1, le=102_400)] = 1024  # larger request bodies get 413
 
 
 class ScheduleConfig(Strict):

@@ -12,6 +12,11 @@ father child house door table chair book pencil ocean island forest field harves
 """
 _VERB_TEXT = "walks sees builds carries finds opens reads writes hears follows remembers paints"
 WORDS = _WORD_TEXT.split()
+# A minimal chat template, so the chat endpoint can be served from the tiny model like from a real instruct model.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
 VERBS = _VERB_TEXT.split()
 
 
@@ -54,6 +59,7 @@ def build_tiny_llama(folder: Path, corpus: list[str], seed: int = 0) -> Path:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),

@@ -23,8 +23,16 @@ Generation (`generate`)
     an ordinary token: benchmarks time a fixed amount of work). Prompts of equal length run together as one batch
     and no prompt is padded, so a prompt's continuation does not depend on which other prompts share the call.
 
-Engines subclass `Runtime` and implement `score` and `_generate_batch`; `generate` (grouping, order, cutting at
-EOS) is shared, so every engine batches the same way.
+Stepping (`batch_decoder`)
+    Serving drives generation one token at a time through a `BatchDecoder`: sequences join (their prompt is run
+    alone) and leave between steps, every step advances all of them together, and the caller picks each next
+    token from the logits (greedy or sampled), so streaming, stop strings, cancellation and iteration-level
+    batching live outside the engine. Greedy stepping gives the ids `generate` gives, whichever sequences share
+    the steps. An engine that cannot batch sequences of different lengths exactly steps them one engine call
+    each (`steps` counts engine calls, so batching shows there).
+
+Engines subclass `Runtime` and implement `score`, `_generate_batch` and `batch_decoder`; `generate` (grouping,
+order, cutting at EOS) is shared, so every engine batches the same way.
 """
 
 from __future__ import annotations
@@ -81,11 +89,40 @@ class Runtime(abc.ABC):
         return outputs
 
     @abc.abstractmethod
+    def batch_decoder(self) -> BatchDecoder:
+        """A fresh decoder stepping sequences of this model together (owned by one thread: engines are not
+        thread-safe)."""
+
+    @abc.abstractmethod
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
     ) -> list[list[int]]:
         """Greedy continuations of prompts that all have the same length, run as one batch. Rows may run past
         an EOS (`generate` cuts them); without `stop_at_eos` each row must hold exactly `max_new_tokens` ids."""
+
+
+class BatchDecoder(abc.ABC):
+    """Sequences decoded together, one token per step; a sequence joins with `add` and leaves with `remove`
+    between steps. Logits are float32 arrays over the vocabulary for each sequence's next token."""
+
+    steps: int = 0  # engine calls so far (a prompt run alone counts one, a step of all sequences one)
+
+    @abc.abstractmethod
+    def add(self, prompt: list[int]) -> tuple[int, Any]:
+        """Run `prompt` alone; (the new sequence's id, logits for its first generated token)."""
+
+    @abc.abstractmethod
+    def step(self, tokens: dict[int, int]) -> dict[int, Any]:
+        """Append one chosen token to every sequence (all of them, by id); the logits for each one's next."""
+
+    @abc.abstractmethod
+    def remove(self, sequence: int) -> None:
+        """Forget a finished or cancelled sequence (its cache is freed)."""
+
+    @property
+    @abc.abstractmethod
+    def active(self) -> int:
+        """How many sequences are being decoded."""
 
 
 def cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:

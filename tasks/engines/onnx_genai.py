@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import Runtime
+from tasks.engines.contract import BatchDecoder, Runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ModelSourceError
 
@@ -36,9 +36,15 @@ class OrtGenAIRuntime(Runtime):
                 f"{folder}: cannot load the ONNX model ({str(exc).splitlines()[0]})"
             ) from exc
         self._og = og
+        self._folder, self._threads = folder, threads
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][
             "context_length"
         ]
+
+    def batch_decoder(self) -> OrtBatchDecoder:
+        decoder = json.loads((self._folder / "genai_config.json").read_text())["model"]["decoder"]
+        shape = (decoder["num_key_value_heads"], decoder["head_size"])
+        return OrtBatchDecoder(self._folder / decoder["filename"], shape, self._threads)
 
     def _generator(self, batch: list[list[int]], max_length: int, min_length: int = 0) -> Any:
         params = self._og.GeneratorParams(self.model)
@@ -71,3 +77,79 @@ class OrtGenAIRuntime(Runtime):
             for row, token in zip(rows, generator.get_next_tokens(), strict=True):
                 row.append(int(token))
         return rows
+
+
+class OrtBatchDecoder(BatchDecoder):
+    """Iteration-level batching on the builder's graph, run by plain ONNX Runtime (ONNX Runtime GenAI's own
+    generator takes no new sequences mid-flight and, on CPU, batches only prompts of one length).
+
+    Each sequence's KV cache sits at the start of its row, right-padded to the longest; the attention mask gives
+    every row its own length, and the graph's GroupQueryAttention derives each row's positions and where its new
+    key goes from that mask, so a row computes exactly what it computes alone."""
+
+    def __init__(self, model_path: Path, kv_shape: tuple[int, int], threads: int) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self._session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        self._present = [output.name for output in self._session.get_outputs()[1:]]
+        self._past = [name.replace("present", "past_key_values") for name in self._present]
+        inputs = {item.name: item for item in self._session.get_inputs()}
+        self._kv_dtype = np.float16 if inputs[self._past[0]].type == "tensor(float16)" else np.float32
+        self._empty_row = np.zeros((1, kv_shape[0], 0, kv_shape[1]), self._kv_dtype)
+        self._ids: list[int] = []  # sequence id of each row, in row order
+        self._lengths = np.zeros(0, dtype=np.int64)  # tokens in each row's cache
+        self._cache: list[np.ndarray] = []  # per past input: [rows, kv_heads, width, head_size]
+        self._next_id = 0
+
+    @property
+    def active(self) -> int:
+        return len(self._ids)
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> tuple[Any, list[np.ndarray]]:
+        self.steps += 1
+        feeds = {"input_ids": ids, "attention_mask": mask, **dict(zip(self._past, past, strict=True))}
+        logits, *present = self._session.run(None, feeds)
+        return logits[:, -1].astype(np.float32), present
+
+    def add(self, prompt: list[int]) -> tuple[int, Any]:
+        ids = np.asarray([prompt], dtype=np.int64)
+        logits, present = self._run(ids, np.ones_like(ids), [self._empty_row] * len(self._past))
+        width = max(len(prompt), self._cache[0].shape[2] if self._ids else 0)
+        rows = [_pad_width(kv, width) for kv in present]
+        if self._ids:
+            rows = [
+                np.concatenate([_pad_width(old, width), new])
+                for old, new in zip(self._cache, rows, strict=True)
+            ]
+        self._cache = rows
+        self._lengths = np.append(self._lengths, len(prompt))
+        self._next_id += 1
+        self._ids.append(self._next_id)
+        return self._next_id, logits[0]
+
+    def step(self, tokens: dict[int, int]) -> dict[int, Any]:
+        if set(tokens) != set(self._ids):
+            raise ValueError(
+                f"step needs a token for every active sequence {self._ids}, got {sorted(tokens)}"
+            )
+        width = self._cache[0].shape[2] + 1
+        mask = (np.arange(width)[None, :] <= self._lengths[:, None]).astype(np.int64)
+        ids = np.asarray([[tokens[sequence]] for sequence in self._ids], dtype=np.int64)
+        logits, self._cache = self._run(ids, mask, self._cache)
+        self._lengths = self._lengths + 1
+        return dict(zip(self._ids, logits, strict=True))
+
+    def remove(self, sequence: int) -> None:
+        row = self._ids.index(sequence)
+        del self._ids[row]
+        self._lengths = np.delete(self._lengths, row)
+        width = int(self._lengths.max()) if self._ids else 0  # drop the columns only the leaver used
+        self._cache = [np.ascontiguousarray(np.delete(kv, row, axis=0)[:, :, :width]) for kv in self._cache]
+
+
+def _pad_width(kv: np.ndarray, width: int) -> np.ndarray:
+    """A [rows, heads, length, head_size] cache widened to `width` positions with zeros on the right."""
+    missing = width - kv.shape[2]
+    return np.pad(kv, ((0, 0), (0, 0), (0, missing), (0, 0))) if missing else kv

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import RuntimeSettings
-from tasks.engines.contract import Runtime
+from tasks.engines.contract import BatchDecoder, Runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.torch_weights import QUANTO, load_torch_model
 from tasks.errors import ModelSourceError, TargetError
@@ -55,6 +55,9 @@ class TorchRuntime(Runtime):
                 results.append((float(nll), len(ids) - 1))
         return results
 
+    def batch_decoder(self) -> TorchBatchDecoder:
+        return TorchBatchDecoder(self.model, self._no_grad)
+
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
     ) -> list[list[int]]:
@@ -72,6 +75,46 @@ class TorchRuntime(Runtime):
                 **extra,
             )
         return generated[:, len(batch[0]) :].tolist()
+
+
+class TorchBatchDecoder(BatchDecoder):
+    """Steps each sequence in its own forward call with transformers' default (dynamic) KV cache: padding a
+    batch of different lengths can change fp32 results in PyTorch, so sequences share the decoder's turns but
+    not its matrix products. The recipe's KV-cache setting (static, quantized) applies to `generate` only."""
+
+    def __init__(self, model: Any, no_grad: Any) -> None:
+        self._model, self._no_grad = model, no_grad
+        self._caches: dict[int, Any] = {}
+        self._next_id = 0
+
+    @property
+    def active(self) -> int:
+        return len(self._caches)
+
+    def _forward(self, ids: list[int], cache: Any) -> tuple[Any, Any]:
+        import torch
+
+        self.steps += 1
+        with self._no_grad():
+            out = self._model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        return out.logits[0, -1].float().numpy(), out.past_key_values
+
+    def add(self, prompt: list[int]) -> tuple[int, Any]:
+        logits, cache = self._forward(prompt, None)
+        self._next_id += 1
+        self._caches[self._next_id] = cache
+        return self._next_id, logits
+
+    def step(self, tokens: dict[int, int]) -> dict[int, Any]:
+        if set(tokens) != set(self._caches):
+            raise ValueError(f"step needs a token for every active sequence {sorted(self._caches)}")
+        logits = {}
+        for sequence, token in tokens.items():
+            logits[sequence], self._caches[sequence] = self._forward([token], self._caches[sequence])
+        return logits
+
+    def remove(self, sequence: int) -> None:
+        del self._caches[sequence]
 
 
 def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:

@@ -1,46 +1,149 @@
-"""The HTTP app around a real (tiny) runtime: OpenAI-shaped answers, malformed requests refused."""
+"""The server on the tiny model, for each engine, over loopback with the real clients: `openai` (completions and
+chat, streamed or not) and huggingface_hub's InferenceClient (TGI's text_generation, streamed or not)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
-from fastapi.testclient import TestClient
 
 from serving.app import create_app
+from serving.models import ModelRouter, serve_runtime
+from tasks.build.optimize import build_variant
+from tasks.config import ServeConfig, VariantConfig
+from tasks.engines import Runtime, load_runtime
+
+RECIPES = {"torch": {}, "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]}}
+PROMPT = "Near the river 12, the stone walks the garden."
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def runtime(request, tiny_base, tmp_path_factory) -> Runtime:
+    folder = tmp_path_factory.mktemp("serve") / request.param
+    build_variant(request.param, VariantConfig.model_validate(RECIPES[request.param]), tiny_base, "d", folder)
+    return load_runtime(folder, threads=1)
+
+
+@contextmanager
+def live_server(runtime: Runtime, settings: ServeConfig, version: str = "3") -> Iterator[str]:
+    """The app under uvicorn on a free loopback port, in a thread; stopped (schedulers closed) on exit."""
+    import uvicorn
+
+    app = create_app(ModelRouter([serve_runtime(runtime, "tiny", version, settings)]), settings)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:  # uvicorn offers no start event; it flips this flag once it listens
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
-def client(baseline_runtime):
-    return TestClient(create_app(baseline_runtime, "tiny", "3", max_new_tokens=8))
+def url(runtime) -> Iterator[str]:
+    with live_server(runtime, ServeConfig(max_new_tokens=8)) as base:
+        yield base
 
 
-def test_completion_follows_the_openai_shape_and_caps_tokens(client):
-    response = client.post("/v1/completions", json={"prompt": "The river walks", "max_tokens": 50})
-    assert response.status_code == 200
-    body = response.json()
-    assert body["object"] == "text_completion" and body["model"] == "tiny/3"
-    assert body["usage"]["completion_tokens"] <= 8
-    assert (
-        body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+def test_openai_completions_streamed_or_not_give_the_greedy_continuation(url, runtime):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    whole = client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=6, temperature=0)
+    expected = runtime.generate([runtime.encode(PROMPT)], 6)[0]
+    assert whole.choices[0].text == runtime.decode(expected)
+    assert whole.usage.completion_tokens == len(expected) and whole.usage.prompt_tokens == len(
+        runtime.encode(PROMPT)
     )
-    assert isinstance(body["choices"][0]["text"], str)
+    assert whole.choices[0].finish_reason == ("stop" if expected[-1] == runtime.eos_token_id else "length")
+    chunks = list(
+        client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=6, temperature=0, stream=True)
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
-def test_greedy_completion_is_deterministic(client):
-    request = {"prompt": "The book opens", "max_tokens": 6}
+def test_openai_chat_uses_the_chat_template_streamed_or_not(url, runtime):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where is the river?"},
+    ]
+    whole = client.chat.completions.create(model="tiny/3", messages=messages, max_tokens=5, temperature=0)
+    template = runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = runtime.encode(template)
+    assert whole.choices[0].message.content == runtime.decode(runtime.generate([prompt], 5)[0])
+    assert whole.usage.prompt_tokens == len(prompt)
+    stream = client.chat.completions.create(
+        model="tiny/3",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
     assert (
-        client.post("/v1/completions", json=request).json()["choices"]
-        == client.post("/v1/completions", json=request).json()["choices"]
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == whole.choices[0].message.content
+    )
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_tgi_text_generation_through_huggingface_hub_streamed_or_not(url, runtime, monkeypatch):
+    from huggingface_hub import InferenceClient, constants
+
+    # offline mode (set for the whole suite) blocks every URL, loopback included; this client talks to loopback only
+    monkeypatch.setattr(constants, "is_offline_mode", lambda: False)
+    client = InferenceClient(model=url)
+    expected = runtime.decode(runtime.generate([runtime.encode(PROMPT)], 6)[0])
+    assert client.text_generation(PROMPT, max_new_tokens=6) == expected
+    details = client.text_generation(PROMPT, max_new_tokens=6, details=True)
+    assert details.generated_text == expected and details.details.generated_tokens == len(
+        details.details.tokens
+    )
+    events = list(client.text_generation(PROMPT, max_new_tokens=6, stream=True, details=True))
+    assert "".join(event.token.text for event in events) == expected
+    assert events[-1].generated_text == expected and events[-1].details.finish_reason in (
+        "length",
+        "eos_token",
     )
 
 
-@pytest.mark.parametrize(
-    "payload",
-    [{}, {"prompt": ""}, {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "bogus": 1}, {"prompt": 3}],
-)
-def test_malformed_requests_get_422_naming_the_field(client, payload):
-    response = client.post("/v1/completions", json=payload)
-    assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"][0] == "body"
+def test_sampling_is_reproducible_by_seed_and_top_k_1_is_greedy(url):
+    import httpx
+
+    def text(**sampling) -> str:
+        body = {"prompt": PROMPT, "max_tokens": 8, **sampling}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+
+    greedy = text(temperature=0)
+    assert text(temperature=1.5, top_k=1, seed=1) == greedy  # one candidate left: sampling must pick it
+    draws = {text(temperature=2.0, seed=seed) for seed in range(6)}
+    assert text(temperature=2.0, seed=3) == text(temperature=2.0, seed=3)
+    assert len(draws) > 1  # an untrained model at temperature 2 spreads its mass: seeds differ
 
 
-def test_health_and_models_name_the_served_version(client):
-    assert client.get("/health").json()["model"] == "tiny/3"
-    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny/3"
+def test_a_stop_string_ends_the_answer_before_it(url):
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    full = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+    stop = full[2:4]
+    cut = httpx.post(f"{url}/v1/completions", json={**body, "stop": [stop]}, timeout=30).json()["choices"][0]
+    assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop"

@@ -1,0 +1,139 @@
+"""One request's generation as the HTTP layer sees it: validated against the model's context, queued on the
+model's scheduler, its tokens turned into safe text pieces, ended by EOS, max tokens, a stop string, a timeout
+or the client going away (which cancels the remaining work)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from serving.models import ServedModel
+from serving.scheduler import GenerationRequest, QueueFull, Sampling, SchedulerClosed
+from serving.text import RequestError, TextStream
+
+RETRY_AFTER_S = 1  # what a 429 suggests: a batch step frees slots every few hundred milliseconds at most
+
+
+@dataclass
+class Piece:
+    """A generated token and the text it released ('' while held back); `token` is None for the final text
+    released at the end."""
+
+    text: str
+    token: int | None = None
+    logprob: float | None = None
+
+
+@dataclass
+class Finish:
+    reason: str  # "stop" (EOS or a stop string) or "length"
+    completion_tokens: int
+
+
+class Generation:
+    """Build, then `start` (queues it; 429 when the queue is full), then iterate `events`."""
+
+    def __init__(
+        self,
+        served: ServedModel,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: Sampling,
+        stops: list[str],
+        timeout_s: float,
+        metrics: Any,
+    ) -> None:
+        self.served, self.loaded = served, served.current  # this request's model, even if a swap happens
+        runtime = self.loaded.runtime
+        context = runtime.context_length
+        if len(prompt) + max_tokens > context:
+            raise RequestError(
+                400,
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} tokens "
+                f"exceeds the model's context of {context} tokens",
+                "context_length_exceeded",
+            )
+        self.prompt, self.max_tokens, self.timeout_s, self.metrics = prompt, max_tokens, timeout_s, metrics
+        self.text = TextStream(runtime.tokenizer, stops)
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        eos = runtime.eos_token_id
+        self.request = GenerationRequest(
+            prompt,
+            max_tokens,
+            sampling,
+            lambda event: loop.call_soon_threadsafe(self._queue.put_nowait, event),
+            stop_ids=frozenset() if eos is None else frozenset({eos}),
+        )
+        self._started = loop.time()
+
+    def start(self) -> None:
+        """Queue the request on its model's scheduler (the current one if a swap retired the first)."""
+        try:
+            try:
+                self.loaded.scheduler.submit(self.request)
+            except SchedulerClosed:
+                self.loaded = self.served.current
+                self.loaded.scheduler.submit(self.request)
+        except QueueFull:
+            raise RequestError(
+                429,
+                f"the server is at capacity ({self.loaded.scheduler.max_queue} requests queued); retry later",
+                "rate_limit_exceeded",
+            ) from None
+        except SchedulerClosed:
+            raise RequestError(503, "the server is shutting down", "unavailable") from None
+        if self.metrics:
+            self.metrics.tokens.labels("in").inc(len(self.prompt))
+
+    async def events(
+        self, disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[Piece | Finish]:
+        """Pieces as tokens arrive, then one Finish; raises RequestError on timeout or an engine failure. Leaving
+        early (a stop string, the client gone) cancels what the model has left to do for this request."""
+        loop, produced = asyncio.get_running_loop(), 0
+        deadline = self._started + self.timeout_s
+        try:
+            while True:
+                kind, value = await self._next(loop, deadline, disconnected)
+                if kind == "token":
+                    token, logprob = value
+                    produced += 1
+                    if produced == 1 and self.metrics:
+                        self.metrics.ttft.observe(loop.time() - self._started)
+                    yield Piece(self.text.push(token), token, logprob)
+                    if self.text.stopped:
+                        yield self._finish("stop", produced)
+                        return
+                elif kind == "done":
+                    tail = self.text.finish()
+                    if tail:
+                        yield Piece(tail)
+                    yield self._finish(value, produced)
+                    return
+                else:
+                    raise RequestError(500, value, "server_error")
+        finally:
+            self.request.cancel()  # a no-op once finished; otherwise frees the request's batch slot
+
+    async def _next(
+        self, loop: Any, deadline: float, disconnected: Callable[[], Awaitable[bool]] | None
+    ) -> Any:
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RequestError(
+                    504, f"no answer within {self.timeout_s:g} s (serve.request_timeout_s)", "timeout"
+                )
+            try:  # wake up now and then to notice a client that went away (non-streaming requests)
+                return await asyncio.wait_for(self._queue.get(), min(left, 1.0))
+            except TimeoutError:
+                if disconnected is not None and await disconnected():  # nobody reads the answer any more
+                    raise RequestError(499, "client closed the connection", "cancelled") from None
+
+    def _finish(self, reason: str, produced: int) -> Finish:
+        if self.metrics:
+            self.metrics.tokens.labels("out").inc(produced)
+        return Finish("stop" if reason == "cancelled" else reason, produced)

@@ -1,0 +1,211 @@
+"""Iteration-level batching: one worker thread per loaded model owns its engine and steps every running request
+together, one token per step; queued requests join between steps and finished ones leave.
+
+Engines are not thread-safe (og.Model, a torch module), and their bindings hold the GIL while stepping, so request
+handlers never touch the engine: they queue a `GenerationRequest` and receive its tokens as events. The worker
+picks each token itself from the step's logits (greedy or sampled, per request), which is what lets requests with
+different sampling settings share a step."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tasks.engines import Runtime
+
+log = logging.getLogger("llmopt.serve")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a request picks its next token: temperature 0 is greedy (argmax, ties to the lowest id)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+
+
+def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+    """The next token from one sequence's logits: argmax when greedy, else a draw after temperature, top-k and
+    nucleus (top-p) cuts."""
+    if sampling.temperature == 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / sampling.temperature
+    order = np.argsort(-scaled, kind="stable")
+    if sampling.top_k:
+        order = order[: sampling.top_k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    if sampling.top_p < 1.0:  # the smallest head whose mass reaches top_p (always at least one token)
+        keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(len(order), p=probs)])
+
+
+class QueueFull(Exception):
+    """The model's queue holds `max_queue` requests already (the server answers 429)."""
+
+
+class SchedulerClosed(Exception):
+    """The model was swapped out or the server is stopping: the request goes to the current model instead."""
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """One request's generation. `on_event` is called from the worker thread with ("token", (id, log-probability))
+    for each token and
+    finally ("done", finish_reason) or ("error", message); finish reasons: "stop" (an end-of-sequence token),
+    "length" (max_tokens reached), "cancelled" (`cancel` was called: disconnect, timeout or a stop string)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    on_event: Callable[[tuple[str, Any]], None]
+    stop_ids: frozenset[int] = frozenset()
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        """Stop generating for this request at the next step boundary (its slot goes to the next in line)."""
+        self.cancelled.set()
+
+
+@dataclass(eq=False)
+class _Running:
+    request: GenerationRequest
+    rng: np.random.Generator
+    produced: int = 0
+    last: int = -1
+
+
+class Scheduler:
+    """The queue and the worker thread of one loaded model (started on construction, stopped by `close`)."""
+
+    def __init__(self, runtime: Runtime, max_batch: int, max_queue: int, metrics: Any = None) -> None:
+        self.runtime, self.max_batch, self.max_queue = runtime, max_batch, max_queue
+        self.metrics = metrics  # serving.metrics.ServerMetrics, or None (tests of the scheduler alone)
+        self.steps = 0  # engine calls so far (prompts run alone + batched steps)
+        self.in_flight = 0  # requests submitted and not yet ended (queued, joining or running)
+        self._queue: collections.deque[GenerationRequest] = collections.deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="llmopt-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue a request; QueueFull when `max_queue` are waiting, SchedulerClosed after `close`."""
+        with self._wake:
+            if self._closed:
+                raise SchedulerClosed
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull
+            self._queue.append(request)
+            self.in_flight += 1
+            self._wake.notify()
+
+    def close(self, wait: bool = True) -> None:
+        """Take no new requests; the worker finishes what is queued and running, then exits."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if wait:
+            self._thread.join()
+
+    def _work(self) -> None:
+        decoder, running = self.runtime.batch_decoder(), {}
+        while True:
+            with self._wake:
+                while not self._queue and not running and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._queue and not running:
+                    return
+                joining = [
+                    self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch - len(running)))
+                ]
+            calls = decoder.steps
+            for request in joining:
+                try:
+                    self._admit(decoder, running, request)
+                except Exception as exc:  # this prompt failed in the engine: only its request ends
+                    log.exception("engine failed on a prompt")
+                    self._end(request, ("error", f"generation failed: {exc}"))
+            try:
+                if running:
+                    self._step(decoder, running)
+            except Exception as exc:  # a failed step ends the requests it carried, never the worker
+                log.exception("engine step failed")
+                for item in running.values():
+                    self._end(item.request, ("error", f"generation failed: {exc}"))
+                running = {}
+            self.steps += decoder.steps - calls
+            if self.metrics:
+                self.metrics.engine_calls(decoder.steps - calls)
+            if not running and decoder.active:  # a failed step may have left sequences behind
+                decoder = self.runtime.batch_decoder()
+
+    def _admit(self, decoder: Any, running: dict[int, _Running], request: GenerationRequest) -> None:
+        if request.cancelled.is_set():
+            self._end(request, ("done", "cancelled"))
+            return
+        if self.metrics:
+            self.metrics.queue_wait(time.monotonic() - request.queued_at)
+        sequence, logits = decoder.add(request.prompt)
+        item = _Running(request, np.random.default_rng(request.sampling.seed))
+        running[sequence] = item
+        self._emit(decoder, running, sequence, logits)
+
+    def _step(self, decoder: Any, running: dict[int, _Running]) -> None:
+        for sequence in [s for s, item in running.items() if item.request.cancelled.is_set()]:
+            decoder.remove(sequence)  # before the step: a cancelled request costs no more engine work
+            self._end(running.pop(sequence).request, ("done", "cancelled"))
+        if not running:
+            return
+        if self.metrics:
+            self.metrics.batch(len(running))
+        for sequence, logits in decoder.step({s: item.last for s, item in running.items()}).items():
+            self._emit(decoder, running, sequence, logits)
+
+    def _emit(self, decoder: Any, running: dict[int, _Running], sequence: int, logits: np.ndarray) -> None:
+        """Pick and send the sequence's next token; retire the sequence when it is finished."""
+        item = running[sequence]
+        request = item.request
+        finish = "cancelled" if request.cancelled.is_set() else None
+        if finish is None:
+            item.last = choose_token(logits, request.sampling, item.rng)
+            item.produced += 1
+            request.on_event(("token", (item.last, _logprob(logits, item.last))))
+            if item.last in request.stop_ids:
+                finish = "stop"
+            elif item.produced >= request.max_tokens:
+                finish = "length"
+        if finish is not None:
+            decoder.remove(sequence)
+            del running[sequence]
+            self._end(request, ("done", finish))
+
+    def _end(self, request: GenerationRequest, event: tuple[str, Any]) -> None:
+        with self._wake:
+            self.in_flight -= 1
+        request.on_event(event)
+
+
+def _logprob(logits: np.ndarray, token: int) -> float:
+    """The model's log-probability of `token` (before any temperature), as TGI's and OpenAI's answers report it."""
+    peak = float(logits.max())
+    return float(logits[token]) - peak - float(np.log(np.exp(logits.astype(np.float64) - peak).sum()))

@@ -1,0 +1,68 @@
+"""From token ids to the text a client may see: incremental decoding, stop strings, chat prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.errors import LlmoptError
+
+
+class RequestError(LlmoptError):
+    """A request the server refuses with a 4xx status; the message names the culprit."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class TextStream:
+    """Text of a growing list of token ids, released in safe pieces: never half a UTF-8 character, never text
+    that may turn out to be the start of a stop string, nothing from a stop string on."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self._tokenizer, self._stops = tokenizer, [stop for stop in stops if stop]
+        self.ids: list[int] = []
+        self.text = ""  # released so far
+        self.stopped = False  # a stop string was found; nothing more is released
+
+    def push(self, token: int) -> str:
+        """Add a generated token; the newly releasable text ('' while held back)."""
+        self.ids.append(token)
+        full = self._tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return ""
+        cut = min((index for index in map(full.find, self._stops) if index >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._release(full[:cut])
+        held = max((_overlap(full, stop) for stop in self._stops), default=0)
+        return self._release(full[: len(full) - held])
+
+    def finish(self) -> str:
+        """The text held back at the end (a stop string's possible start that never completed)."""
+        if self.stopped:
+            return ""
+        return self._release(self._tokenizer.decode(self.ids, skip_special_tokens=True))
+
+    def _release(self, upto: str) -> str:
+        delta = upto[len(self.text) :] if upto.startswith(self.text) else ""
+        self.text += delta
+        return delta
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `stop`."""
+    for size in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The model's own chat template applied to `messages`, ending where the assistant's answer starts."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # the template's own checks (e.g. roles must alternate) are the client's error
+        raise RequestError(400, f"messages do not fit the model's chat template: {exc}") from None

@@ -1,0 +1,180 @@
+"""What the server refuses, and that it keeps answering after each refusal; how it batches concurrent requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tasks.build.optimize import build_variant
+from tasks.config import ServeConfig, VariantConfig
+from tasks.engines import Runtime, load_runtime
+from tests.model.test_serving_app import PROMPT, live_server
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def onnx_runtime(tiny_base, tmp_path_factory) -> Runtime:
+    folder = tmp_path_factory.mktemp("limits") / "onnx"
+    build_variant(
+        "onnx",
+        VariantConfig.model_validate({"steps": [{"onnx_genai": {"precision": "fp32"}}]}),
+        tiny_base,
+        "d",
+        folder,
+    )
+    return load_runtime(folder, threads=1)
+
+
+class GatedRuntime:
+    """The real runtime, except that its decoder runs no prompt while `gate` is closed: lets a test hold the
+    engine busy (queue full, timeouts) or let requests pile up before they batch, without sleeps."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime, self.gate, self.decoders = runtime, threading.Event(), []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
+
+    def batch_decoder(self):
+        decoder = self.runtime.batch_decoder()
+        add = decoder.add
+
+        def gated_add(prompt):
+            assert self.gate.wait(60), "test gate never opened"
+            return add(prompt)
+
+        decoder.add = gated_add
+        self.decoders.append(decoder)
+        return decoder
+
+
+def wait_until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def complete(url: str, key: str | None = KEY, **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    payload = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **body}
+    return httpx.post(f"{url}/v1/completions", json=payload, headers=headers, timeout=60)
+
+
+def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime, monkeypatch):
+    monkeypatch.setenv("LLMOPT_TEST_KEY", KEY)
+    settings = ServeConfig(
+        max_new_tokens=8,
+        max_batch=1,
+        max_queue=1,
+        request_timeout_s=1.0,
+        max_body_kb=4,
+        api_key_env="LLMOPT_TEST_KEY",
+    )
+    gated = GatedRuntime(onnx_runtime)
+    gated.gate.set()
+    with live_server(gated, settings) as url:
+
+        def still_answers() -> None:
+            assert complete(url).status_code == 200
+
+        assert complete(url, key=None).status_code == 401
+        assert complete(url, key="wrong").json()["error"]["type"] == "authentication_error"
+        still_answers()
+        missing = complete(url, model="nope")
+        assert missing.status_code == 404 and "served: tiny/3" in missing.json()["error"]["message"]
+        still_answers()
+        for bad in ({"n": 2}, {"bogus": 1}, {"max_tokens": 0}, {"prompt": ""}, {"temperature": -1}):
+            assert complete(url, **bad).status_code == 422, bad
+        still_answers()
+        long_prompt = " ".join(["the river walks the stone"] * 120)  # under the body limit, over the context
+        overflow = complete(url, prompt=long_prompt, max_tokens=8)
+        tokens = len(onnx_runtime.encode(long_prompt))
+        message = overflow.json()["error"]["message"]
+        assert (
+            overflow.status_code == 400
+            and f"prompt ({tokens} tokens) + max_tokens (8)" in message
+            and "512" in message
+        )
+        assert complete(url, prompt="x" * 5000).status_code == 413
+        still_answers()
+
+        gated.gate.clear()  # the engine is now busy with the first request: one more queues, the next is refused
+        scheduler_queue = lambda: httpx.get(f"{url}/health").json()["models"][0]["queued"]  # noqa: E731
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(complete, url)
+            wait_until(
+                lambda: gated.decoders and scheduler_queue() == 0, "the first request to reach the engine"
+            )
+            queued = pool.submit(complete, url)
+            wait_until(lambda: scheduler_queue() == 1, "the second request to queue")
+            refused = complete(url)
+            assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+            timed_out = running.result()  # the gate stays closed past serve.request_timeout_s
+            assert (
+                timed_out.status_code == 504 and "request_timeout_s" in timed_out.json()["error"]["message"]
+            )
+            assert queued.result().status_code == 504
+        gated.gate.set()
+        still_answers()
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'llmopt_requests_total{route="/v1/completions",status="429"} 1.0' in metrics
+        assert 'llmopt_requests_total{route="/v1/completions",status="504"} 2.0' in metrics
+
+
+def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they_get_alone(onnx_runtime):
+    ids = onnx_runtime.encode(PROMPT + " The train finds the book near the quiet forest 7.")
+    requests = [
+        (ids[:n], m) for n, m in ((3, 8), (9, 5), (14, 8), (5, 2), (20, 7))
+    ]  # lengths and budgets differ
+    alone = [onnx_runtime.generate([prompt], budget)[0] for prompt, budget in requests]
+    gated = GatedRuntime(onnx_runtime)
+    with live_server(gated, ServeConfig(max_new_tokens=8, max_batch=8)) as url:
+
+        def ask(request) -> dict:
+            prompt, budget = request
+            text = onnx_runtime.decode(prompt)
+            return complete(url, key=None, prompt=text, max_tokens=budget).json()
+
+        with ThreadPoolExecutor(len(requests)) as pool:
+            answers = [pool.submit(ask, request) for request in requests]
+            wait_until(
+                lambda: httpx.get(f"{url}/health").json()["models"][0]["queued"] == len(requests) - 1, "queue"
+            )
+            gated.gate.set()
+            answers = [answer.result() for answer in answers]
+        calls = gated.decoders[0].steps
+    sequential = sum(
+        1 + (len(tokens) - 1) for tokens in alone
+    )  # a prompt call, then one step per later token
+    assert calls < sequential
+    for answer, tokens, (prompt, _) in zip(answers, alone, requests, strict=True):
+        assert onnx_runtime.encode(onnx_runtime.decode(prompt)) == prompt  # the text round-trips to these ids
+        assert answer["choices"][0]["text"] == onnx_runtime.decode(tokens)
+        assert answer["usage"]["completion_tokens"] == len(tokens)
+
+
+def test_a_cancelled_request_stops_at_the_next_step_and_frees_its_slot(onnx_runtime):
+    from serving.scheduler import GenerationRequest, Sampling, Scheduler
+
+    scheduler = Scheduler(onnx_runtime, max_batch=2, max_queue=4)
+    events, ended = [], threading.Event()
+
+    def on_event(event) -> None:
+        events.append(event)
+        if event[0] == "token" and len(events) == 3:
+            request.cancel()  # as the HTTP layer does when the client goes away or a stop string appears
+        if event[0] == "done":
+            ended.set()
+
+    request = GenerationRequest(onnx_runtime.encode(PROMPT), 400, Sampling(), on_event)
+    scheduler.submit(request)
+    assert ended.wait(30)
+    scheduler.close()
+    assert events[-1] == ("done", "cancelled") and len(events) == 4  # three tokens, then the end
+    assert scheduler.in_flight == 0 and scheduler.steps == 3  # the prompt call and two steps: nothing after

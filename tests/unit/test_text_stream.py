@@ -1,0 +1,68 @@
+"""Releasing generated text safely (stop strings split across tokens, half characters) and choosing tokens."""
+
+import numpy as np
+import pytest
+
+from serving.scheduler import Sampling, choose_token
+from serving.text import TextStream
+
+
+class ByteTokenizer:
+    """Token i is byte i: enough to split characters and stop strings across tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def released(text: str, stops: list[str]) -> tuple[list[str], str, bool]:
+    stream = TextStream(ByteTokenizer(), stops)
+    pieces = [stream.push(byte) for byte in text.encode()]
+    if not stream.stopped:
+        pieces.append(stream.finish())
+    return pieces, stream.text, stream.stopped
+
+
+def test_a_stop_string_split_across_tokens_is_never_released_and_ends_the_text():
+    pieces, text, stopped = released("Hello END world", ["END"])
+    assert text == "Hello " and stopped
+    assert "".join(pieces) == "Hello " and all("E" not in piece for piece in pieces)
+
+
+def test_text_held_back_as_a_possible_stop_is_released_when_it_is_not_one():
+    pieces, text, stopped = released("an ENtry", ["END"])
+    assert text == "an ENtry" and not stopped
+    assert pieces[3:5] == ["", ""]  # "E", "N" waited until "t" showed they do not start "END"
+
+
+def test_half_a_multibyte_character_is_never_released():
+    pieces, text, _ = released("né", [])
+    assert pieces == ["n", "", "é", ""] and text == "né"
+
+
+def test_the_earliest_of_several_stops_wins():
+    assert released("a;b.c", [".", ";"])[1] == "a"
+
+
+def test_greedy_picks_the_argmax_and_top_k_1_leaves_only_it_to_sample():
+    logits = np.array([0.1, 2.0, 1.9, -1.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    assert choose_token(logits, Sampling(), rng) == 1
+    assert {choose_token(logits, Sampling(temperature=5.0, top_k=1), rng) for _ in range(20)} == {1}
+
+
+def test_top_p_samples_only_from_the_smallest_head_reaching_p():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    draws = [choose_token(logits, Sampling(temperature=1.0, top_p=0.75), rng) for _ in range(400)]
+    assert set(draws) == {0, 1}  # 0.5 + 0.3 reaches 0.75; 2 and 3 are cut
+    assert np.mean(np.array(draws) == 0) == pytest.approx(0.5 / 0.8, abs=0.08)
+
+
+def test_the_same_seed_draws_the_same_tokens():
+    logits = np.zeros(50, dtype=np.float32)
+
+    def draws(seed):
+        rng = np.random.default_rng(seed)
+        return [choose_token(logits, Sampling(temperature=1.0, seed=seed), rng) for _ in range(10)]
+
+    assert draws(7) == draws(7) and draws(7) != draws(8)
