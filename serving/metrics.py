@@ -36,6 +36,12 @@ class ServerMetrics:
             "llmopt_batch_size", "Sequences per batched engine step", buckets=BATCH_BUCKETS, registry=r
         )
         self.calls = Counter("llmopt_engine_calls", "Engine calls (prompts run + batched steps)", registry=r)
+        self.engine_time = Counter(
+            "llmopt_engine_seconds",
+            "Time inside the engine: prompts (prefill) and batched steps (decode)",
+            ["phase"],
+            registry=r,
+        )
         self.tokens = Counter(
             "llmopt_tokens", "Tokens by direction (prompt in, generated out)", ["direction"], registry=r
         )
@@ -48,6 +54,9 @@ class ServerMetrics:
 
     def engine_calls(self, count: int) -> None:
         self.calls.inc(count)
+
+    def engine_seconds(self, phase: str, seconds: float) -> None:
+        self.engine_time.labels(phase).inc(seconds)
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes."""

@@ -165,7 +165,10 @@ class Scheduler:
             return
         if self.metrics:
             self.metrics.queue_wait(time.monotonic() - request.queued_at)
+        started = time.perf_counter()
         sequence, logits = decoder.add(request.prompt)
+        if self.metrics:
+            self.metrics.engine_seconds("prefill", time.perf_counter() - started)
         item = _Running(request, np.random.default_rng(request.sampling.seed))
         running[sequence] = item
         self._emit(decoder, running, sequence, logits)
@@ -176,9 +179,12 @@ class Scheduler:
             self._end(running.pop(sequence).request, ("done", "cancelled"))
         if not running:
             return
+        started = time.perf_counter()
+        stepped = decoder.step({s: item.last for s, item in running.items()})
         if self.metrics:
-            self.metrics.batch(len(running))
-        for sequence, logits in decoder.step({s: item.last for s, item in running.items()}).items():
+            self.metrics.engine_seconds("decode", time.perf_counter() - started)
+            self.metrics.batch(len(running))  # the histogram's sum counts every decoded token
+        for sequence, logits in stepped.items():
             self._emit(decoder, running, sequence, logits)
 
     def _emit(self, decoder: Any, running: dict[int, _Running], sequence: int, logits: np.ndarray) -> None:
@@ -207,5 +213,5 @@ class Scheduler:
 
 def _logprob(logits: np.ndarray, token: int) -> float:
     """The model's log-probability of `token` (before any temperature), as TGI's and OpenAI's answers report it."""
-    peak = float(logits.max())
-    return float(logits[token]) - peak - float(np.log(np.exp(logits.astype(np.float64) - peak).sum()))
+    peak = logits.max()
+    return float(logits[token] - peak - np.log(np.exp(logits - peak).sum()))

@@ -367,6 +367,24 @@ class ServeConfig(Strict):
     max_body_kb: Annotated[int, Field(ge=1, le=102_400)] = 1024  # larger request bodies get 413
 
 
+class LoadtestConfig(Strict):
+    """`llmopt loadtest`: the request set and concurrency levels it drives a running server with."""
+
+    concurrency: Annotated[list[Annotated[int, Field(ge=1, le=1024)]], Field(min_length=1)] = [1, 4, 16]
+    requests_per_level: Annotated[int, Field(ge=1, le=100_000)] = 48
+    seed: int = 0
+    prompt_words: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [8, 160]
+    max_tokens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [16, 64]
+
+    @model_validator(mode="after")
+    def _ranges_ascend(self) -> LoadtestConfig:
+        for name in ("prompt_words", "max_tokens"):
+            low, high = getattr(self, name)
+            if low > high:
+                raise ValueError(f"{name}: [low, high] with low <= high, got [{low}, {high}]")
+        return self
+
+
 class ScheduleConfig(Strict):
     """When `llmopt schedule` runs the pipeline (a Prefect deployment served against the Prefect server)."""
 
@@ -411,6 +429,7 @@ class Config(Strict):
     variants: dict[str, VariantConfig] = Field(min_length=1)
     tracking: TrackingConfig = TrackingConfig()
     serve: ServeConfig = ServeConfig()
+    loadtest: LoadtestConfig = LoadtestConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     services: ServicesConfig = ServicesConfig()
 

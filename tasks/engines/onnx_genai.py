@@ -83,61 +83,71 @@ class OrtBatchDecoder(BatchDecoder):
     """Iteration-level batching on the builder's graph, run by plain ONNX Runtime (ONNX Runtime GenAI's own
     generator takes no new sequences mid-flight and, on CPU, batches only prompts of one length).
 
-    Each sequence's KV cache sits at the start of its row, right-padded to the longest; the attention mask gives
-    every row its own length, and the graph's GroupQueryAttention derives each row's positions and where its new
-    key goes from that mask, so a row computes exactly what it computes alone."""
+    Each sequence's KV cache sits at the start of its row in one buffer per cache input, which the graph reads and
+    writes in place (past and present bound to the same memory, as ONNX Runtime GenAI does): a step copies no
+    cache. The attention mask gives every row its own length, and the graph's GroupQueryAttention derives each
+    row's positions and where its new key goes from that mask, so a row computes exactly what it computes alone.
+    Rows are rebuilt only when a sequence joins or leaves, or the buffer must grow."""
 
     def __init__(self, model_path: Path, kv_shape: tuple[int, int], threads: int) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
+        self._ort = ort
         self._session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
         self._present = [output.name for output in self._session.get_outputs()[1:]]
         self._past = [name.replace("present", "past_key_values") for name in self._present]
         inputs = {item.name: item for item in self._session.get_inputs()}
         self._kv_dtype = np.float16 if inputs[self._past[0]].type == "tensor(float16)" else np.float32
-        self._empty_row = np.zeros((1, kv_shape[0], 0, kv_shape[1]), self._kv_dtype)
+        self._kv_shape = kv_shape
         self._ids: list[int] = []  # sequence id of each row, in row order
         self._lengths = np.zeros(0, dtype=np.int64)  # tokens in each row's cache
-        self._cache: list[np.ndarray] = []  # per past input: [rows, kv_heads, width, head_size]
+        self._cache: list[np.ndarray] = []  # per cache input: [rows, kv_heads, capacity, head_size]
+        self._binding: Any = None
         self._next_id = 0
 
     @property
     def active(self) -> int:
         return len(self._ids)
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> tuple[Any, list[np.ndarray]]:
-        self.steps += 1
-        feeds = {"input_ids": ids, "attention_mask": mask, **dict(zip(self._past, past, strict=True))}
-        logits, *present = self._session.run(None, feeds)
-        return logits[:, -1].astype(np.float32), present
-
     def add(self, prompt: list[int]) -> tuple[int, Any]:
+        self.steps += 1
         ids = np.asarray([prompt], dtype=np.int64)
-        logits, present = self._run(ids, np.ones_like(ids), [self._empty_row] * len(self._past))
-        width = max(len(prompt), self._cache[0].shape[2] if self._ids else 0)
-        rows = [_pad_width(kv, width) for kv in present]
-        if self._ids:
-            rows = [
-                np.concatenate([_pad_width(old, width), new])
-                for old, new in zip(self._cache, rows, strict=True)
-            ]
-        self._cache = rows
-        self._lengths = np.append(self._lengths, len(prompt))
+        empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **dict.fromkeys(self._past, empty)}
+        logits, *present = self._session.run(None, feeds)
+        capacity = max(self._capacity, _room_for(len(prompt)))
+        rows = [
+            np.zeros((len(self._ids) + 1, *self._kv_shape[:1], capacity, self._kv_shape[1]), self._kv_dtype)
+            for _ in present
+        ]
+        for new, old, kv in zip(rows, self._cache or [None] * len(rows), present, strict=True):
+            if old is not None:
+                new[:-1, :, : old.shape[2]] = old
+            new[-1, :, : len(prompt)] = kv[0]
         self._next_id += 1
         self._ids.append(self._next_id)
-        return self._next_id, logits[0]
+        self._lengths = np.append(self._lengths, len(prompt))
+        self._bind(rows)
+        return self._next_id, logits[0, -1].astype(np.float32)
 
     def step(self, tokens: dict[int, int]) -> dict[int, Any]:
         if set(tokens) != set(self._ids):
             raise ValueError(
                 f"step needs a token for every active sequence {self._ids}, got {sorted(tokens)}"
             )
-        width = self._cache[0].shape[2] + 1
+        if int(self._lengths.max()) + 1 > self._capacity:
+            self._bind([_widen(kv, _room_for(self._capacity + 1)) for kv in self._cache])
+        self.steps += 1
+        width = int(self._lengths.max()) + 1
         mask = (np.arange(width)[None, :] <= self._lengths[:, None]).astype(np.int64)
-        ids = np.asarray([[tokens[sequence]] for sequence in self._ids], dtype=np.int64)
-        logits, self._cache = self._run(ids, mask, self._cache)
+        self._binding.bind_cpu_input(
+            "input_ids", np.asarray([[tokens[s]] for s in self._ids], dtype=np.int64)
+        )
+        self._binding.bind_cpu_input("attention_mask", mask)
+        self._session.run_with_iobinding(self._binding)
+        logits = self._binding.get_outputs()[0].numpy()[:, -1].astype(np.float32)
         self._lengths = self._lengths + 1
         return dict(zip(self._ids, logits, strict=True))
 
@@ -145,11 +155,33 @@ class OrtBatchDecoder(BatchDecoder):
         row = self._ids.index(sequence)
         del self._ids[row]
         self._lengths = np.delete(self._lengths, row)
-        width = int(self._lengths.max()) if self._ids else 0  # drop the columns only the leaver used
-        self._cache = [np.ascontiguousarray(np.delete(kv, row, axis=0)[:, :, :width]) for kv in self._cache]
+        self._bind([np.delete(kv, row, axis=0) for kv in self._cache] if self._ids else [])
+
+    @property
+    def _capacity(self) -> int:
+        return self._cache[0].shape[2] if self._cache else 0
+
+    def _bind(self, cache: list[np.ndarray]) -> None:
+        """Make `cache` the buffers the graph reads its past from and writes its present into."""
+        self._cache, self._binding = cache, None
+        if not cache:
+            return
+        binding = self._session.io_binding()
+        binding.bind_output("logits")
+        for past, present, buffer in zip(self._past, self._present, cache, strict=True):
+            value = self._ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the numpy buffer's memory
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        self._binding = binding
 
 
-def _pad_width(kv: np.ndarray, width: int) -> np.ndarray:
-    """A [rows, heads, length, head_size] cache widened to `width` positions with zeros on the right."""
-    missing = width - kv.shape[2]
-    return np.pad(kv, ((0, 0), (0, 0), (0, missing), (0, 0))) if missing else kv
+def _room_for(tokens: int) -> int:
+    """Buffer positions for a cache of `tokens`: the next power of two with room to grow (at least 256)."""
+    return max(256, 1 << int(tokens + 64).bit_length())
+
+
+def _widen(kv: np.ndarray, capacity: int) -> np.ndarray:
+    """A [rows, heads, length, head_size] buffer with `capacity` positions, the old ones copied in."""
+    wider = np.zeros((*kv.shape[:2], capacity, kv.shape[3]), kv.dtype)
+    wider[:, :, : kv.shape[2]] = kv
+    return wider

@@ -366,7 +366,9 @@ def test_server_answers_completions_from_the_production_alias(project):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         assert [m.id for m in client.models.list()] == ["tiny-test@production"]
         reply = client.completions.create(model="tiny-test@production", prompt="The river", max_tokens=4)
-        assert reply.model == served and reply.usage.completion_tokens <= 4  # the answer names the exact version
+        assert (
+            reply.model == served and reply.usage.completion_tokens <= 4
+        )  # the answer names the exact version
         bad = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": -1})
         assert bad.status_code == 422
     finally:

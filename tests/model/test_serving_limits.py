@@ -105,14 +105,14 @@ def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime,
         still_answers()
 
         gated.gate.clear()  # the engine is now busy with the first request: one more queues, the next is refused
-        scheduler_queue = lambda: httpx.get(f"{url}/health").json()["models"][0]["queued"]  # noqa: E731
+        model = lambda: httpx.get(f"{url}/health").json()["models"][0]  # noqa: E731
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(complete, url)
             wait_until(
-                lambda: gated.decoders and scheduler_queue() == 0, "the first request to reach the engine"
+                lambda: model()["in_flight"] == 1 and model()["queued"] == 0, "the first to reach the engine"
             )
             queued = pool.submit(complete, url)
-            wait_until(lambda: scheduler_queue() == 1, "the second request to queue")
+            wait_until(lambda: model()["queued"] == 1, "the second request to queue")
             refused = complete(url)
             assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
             timed_out = running.result()  # the gate stays closed past serve.request_timeout_s

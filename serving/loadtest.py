@@ -1,0 +1,236 @@
+"""`llmopt loadtest`: drive a running server at several concurrency levels with a fixed, seeded set of requests
+(prompts of varied length, varied max_tokens, greedy, streamed) and report what its clients get: requests/s,
+aggregate generated tok/s, time to first token and end-to-end latency percentiles."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from tasks.config import LoadtestConfig
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: int
+    ttft_s: float  # until the first streamed token (nan when none came)
+    total_s: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    concurrency: int
+    requests: int
+    errors: int
+    wall_s: float
+    requests_s: float
+    tok_s: float  # generated tokens of all requests per wall-clock second
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    e2e_p50_ms: float
+    e2e_p95_ms: float
+    decode_tok_s: float  # the server's decode phase alone: tokens from batched steps per second inside them
+    prefill_share: float  # of the wall time, the part the engine spent running prompts (a step waits for it)
+
+
+def request_set(passages: list[str], cfg: LoadtestConfig, server_cap: int) -> list[LoadRequest]:
+    """The same requests for every level and every run with this seed: a passage's first N words (N drawn from
+    `prompt_words`) and a budget drawn from `max_tokens` (capped at the server's `serve.max_new_tokens`)."""
+    rng = np.random.default_rng(cfg.seed)
+    requests = []
+    for _ in range(cfg.requests_per_level):
+        words = passages[int(rng.integers(len(passages)))].split()
+        count = int(rng.integers(cfg.prompt_words[0], cfg.prompt_words[1] + 1))
+        budget = int(rng.integers(cfg.max_tokens[0], cfg.max_tokens[1] + 1))
+        requests.append(LoadRequest(" ".join(words[:count]), min(budget, server_cap)))
+    return requests
+
+
+async def _one(client: httpx.AsyncClient, model: str | None, request: LoadRequest) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started, first, tokens = time.perf_counter(), float("nan"), 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return Outcome(response.status_code, first, time.perf_counter() - started, 0)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("choices") and first != first:  # nan: the first chunk carrying a token
+                first = time.perf_counter() - started
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    return Outcome(200, first, time.perf_counter() - started, tokens)
+
+
+async def run_level(
+    url: str, model: str | None, requests: list[LoadRequest], concurrency: int, api_key: str | None
+) -> tuple[list[Outcome], float]:
+    """Send `requests` with at most `concurrency` in flight (each client sends its next as soon as one ends)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    pending = list(reversed(requests))
+    outcomes: list[Outcome] = []
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+
+        async def worker() -> None:
+            while pending:
+                outcomes.append(await _one(client, model, pending.pop()))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return outcomes, time.perf_counter() - started
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's cumulative engine counters from /metrics: decoded tokens and seconds per phase."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = {"decoded": 0.0, "decode_s": 0.0, "prefill_s": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "llmopt_batch_size_sum":
+                counters["decoded"] += sample.value
+            elif sample.name == "llmopt_engine_seconds_total":
+                counters[f"{sample.labels['phase']}_s"] += sample.value
+    return counters
+
+
+def summarize(
+    concurrency: int, outcomes: list[Outcome], wall_s: float, engine: dict[str, float] | None = None
+) -> LevelResult:
+    ok = [o for o in outcomes if o.status == 200]
+    ttft = np.array([o.ttft_s for o in ok if o.ttft_s == o.ttft_s]) * 1000
+    e2e = np.array([o.total_s for o in ok]) * 1000
+
+    def pct(values: np.ndarray, q: float) -> float:
+        return float(np.percentile(values, q)) if len(values) else float("nan")
+
+    return LevelResult(
+        concurrency=concurrency,
+        requests=len(outcomes),
+        errors=len(outcomes) - len(ok),
+        wall_s=wall_s,
+        requests_s=len(ok) / wall_s,
+        tok_s=sum(o.tokens for o in ok) / wall_s,
+        ttft_p50_ms=pct(ttft, 50),
+        ttft_p95_ms=pct(ttft, 95),
+        e2e_p50_ms=pct(e2e, 50),
+        e2e_p95_ms=pct(e2e, 95),
+        decode_tok_s=engine["decoded"] / engine["decode_s"]
+        if engine and engine["decode_s"]
+        else float("nan"),
+        prefill_share=engine["prefill_s"] / wall_s if engine else float("nan"),
+    )
+
+
+def load_test(
+    url: str, model: str | None, requests: list[LoadRequest], levels: list[int], api_key: str | None
+) -> list[LevelResult]:
+    """Every level in turn, after one warm-up request (the server's first request pays for allocations)."""
+    asyncio.run(run_level(url, model, requests[:1], 1, api_key))
+    results = []
+    for concurrency in levels:
+        before = engine_counters(url)
+        outcomes, wall = asyncio.run(run_level(url, model, requests, concurrency, api_key))
+        after = engine_counters(url)
+        engine = {key: after[key] - before[key] for key in after}
+        results.append(summarize(concurrency, outcomes, wall, engine))
+    return results
+
+
+def served_model(url: str, model: str | None, api_key: str | None) -> dict:
+    """What the server says it serves (its /health entry for `model`, or its default); a clear error when no
+    server answers at `url`."""
+    from tasks.errors import ServiceError
+
+    try:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise ServiceError(
+            f"no llmopt server answers at {url} ({exc}); start one with `llmopt serve`"
+        ) from None
+    entries = health.get("models", [])
+    for entry in entries:
+        if model is None or model in (entry["id"], entry["id"].split("@")[-1]):
+            return entry
+    names = ", ".join(entry["id"] for entry in entries)
+    raise ServiceError(f"the server at {url} does not serve {model!r}; it serves: {names}")
+
+
+def offline_ceiling(registered: str, version: str) -> tuple[int, float] | None:
+    """(batch size, decode tok/s) of the largest batch the pipeline's benchmark measured for this version: the
+    engine's own throughput without a server, the reference a server's aggregate rate is read against."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    run_id = client.get_model_version(registered, version).run_id
+    metrics = client.get_run(run_id).data.metrics if run_id else {}
+    batches = [
+        (int(k.removeprefix("decode_tok_s_bs")), v)
+        for k, v in metrics.items()
+        if k.startswith("decode_tok_s_bs")
+    ]
+    return max(batches) if batches else None
+
+
+def log_load_test(
+    experiment: str,
+    entry: dict,
+    results: list[LevelResult],
+    ceiling: tuple[int, float] | None,
+    settings: dict,
+) -> str:
+    """One MLflow run per load test, tagged with the model version it drove; the version gets a tag pointing
+    back at it. Returns the run id."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    registered, _, version = entry["served_id"].rpartition("/")
+    mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name=f"loadtest {entry['served_id']}") as run:
+        mlflow.set_tags(
+            {
+                "llmopt.kind": "loadtest",
+                "llmopt.model": registered,
+                "llmopt.model_version": version,
+                "llmopt.variant": entry["variant"],
+                "llmopt.engine": entry["engine"],
+            }
+        )
+        mlflow.log_params(settings)
+        for result in results:
+            prefix = f"c{result.concurrency}"
+            for field in (
+                "requests_s",
+                "tok_s",
+                "ttft_p50_ms",
+                "ttft_p95_ms",
+                "e2e_p50_ms",
+                "e2e_p95_ms",
+                "errors",
+            ):
+                mlflow.log_metric(f"{prefix}.{field}", float(getattr(result, field)))
+        if ceiling:
+            mlflow.log_metric(f"offline_decode_tok_s_bs{ceiling[0]}", ceiling[1])
+    MlflowClient().set_model_version_tag(registered, version, "llmopt.loadtest_run", run.info.run_id)
+    return run.info.run_id
