@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import httpx
 import numpy as np
@@ -219,17 +219,11 @@ def log_load_test(
         )
         mlflow.log_params(settings)
         for result in results:
-            prefix = f"c{result.concurrency}"
-            for field in (
-                "requests_s",
-                "tok_s",
-                "ttft_p50_ms",
-                "ttft_p95_ms",
-                "e2e_p50_ms",
-                "e2e_p95_ms",
-                "errors",
-            ):
-                mlflow.log_metric(f"{prefix}.{field}", float(getattr(result, field)))
+            fields = asdict(result)
+            prefix = f"c{fields.pop('concurrency')}"
+            mlflow.log_metrics(
+                {f"{prefix}.{k}": float(v) for k, v in fields.items() if v == v}
+            )  # nan: not measured
         if ceiling:
             mlflow.log_metric(f"offline_decode_tok_s_bs{ceiling[0]}", ceiling[1])
     MlflowClient().set_model_version_tag(registered, version, "llmopt.loadtest_run", run.info.run_id)

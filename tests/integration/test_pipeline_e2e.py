@@ -371,6 +371,14 @@ def test_server_answers_completions_from_the_production_alias(project):
         )  # the answer names the exact version
         bad = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x", "max_tokens": -1})
         assert bad.status_code == 422
+        url = f"http://127.0.0.1:{port}"
+        load = run(root, "llmopt", "loadtest", "--url", url, "--concurrency", "1,3", "--requests", "6")
+        assert "Load test" in load.stdout + load.stderr
+        version = served.rpartition("/")[2]
+        tag = mlflow_client(root).get_model_version("tiny-test", version).tags["llmopt.loadtest_run"]
+        metrics = mlflow_client(root).get_run(tag).data.metrics
+        assert metrics["c3.errors"] == 0 and metrics["c3.tok_s"] > 0 and metrics["c1.requests"] == 6
+        assert "offline_decode_tok_s_bs2" in metrics  # the pipeline benchmark's largest batch, as the ceiling
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)

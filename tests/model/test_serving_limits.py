@@ -30,6 +30,11 @@ def onnx_runtime(tiny_base, tmp_path_factory) -> Runtime:
     return load_runtime(folder, threads=1)
 
 
+@pytest.fixture(scope="module")
+def runtime_torch(baseline_dir) -> Runtime:
+    return load_runtime(baseline_dir, threads=1)
+
+
 class GatedRuntime:
     """The real runtime, except that its decoder runs no prompt while `gate` is closed: lets a test hold the
     engine busy (queue full, timeouts) or let requests pile up before they batch, without sleeps."""
@@ -178,3 +183,25 @@ def test_a_cancelled_request_stops_at_the_next_step_and_frees_its_slot(onnx_runt
     scheduler.close()
     assert events[-1] == ("done", "cancelled") and len(events) == 4  # three tokens, then the end
     assert scheduler.in_flight == 0 and scheduler.steps == 3  # the prompt call and two steps: nothing after
+
+
+def test_one_server_routes_each_request_to_the_model_it_names(onnx_runtime, runtime_torch):
+    from fastapi.testclient import TestClient
+
+    from serving.app import create_app
+    from serving.models import ModelRouter, serve_runtime
+
+    settings = ServeConfig(max_new_tokens=4)
+    router = ModelRouter(
+        [
+            serve_runtime(onnx_runtime, "tiny", "3", settings),
+            serve_runtime(runtime_torch, "tiny", "1", settings),
+        ]
+    )
+    with TestClient(create_app(router, settings)) as client:
+        listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert listed == ["tiny/3", "tiny/1"]
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        assert client.post("/v1/completions", json={**body, "model": "tiny/1"}).json()["model"] == "tiny/1"
+        assert client.post("/v1/completions", json=body).json()["model"] == "tiny/3"  # none named: the first
+        assert [m["engine"] for m in client.get("/health").json()["models"]] == ["onnxruntime-genai", "torch"]
