@@ -8,6 +8,7 @@ it a traceback."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.generation import RETRY_AFTER_S, Finish, Generation, Piece
 from serving.metrics import ServerMetrics
@@ -40,7 +42,7 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         for model in router.models:  # uvicorn has let in-flight requests finish; now stop the workers
-            model.current.scheduler.close()
+            await asyncio.to_thread(model.current.scheduler.close)
 
     app = FastAPI(title="llmopt server", version="0.2.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_kb * 1024)
@@ -86,7 +88,7 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
         generation = start(served, prompt, min(body.max_tokens, settings.max_new_tokens), body)
         shape = _completion_shape(served, generation)
         if body.stream:
-            return _sse(_openai_chunks(generation, shape, body.include_usage))
+            return _sse(generation, _openai_chunks(generation, shape, body.include_usage))
         return await _openai_whole(generation, shape, http)
 
     @app.post("/v1/chat/completions", dependencies=auth, response_model=None)
@@ -97,7 +99,7 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
         generation = start(served, prompt, body.token_budget(settings.max_new_tokens), body)
         shape = _chat_shape(served, generation)
         if body.stream:
-            return _sse(_openai_chunks(generation, shape, body.include_usage))
+            return _sse(generation, _openai_chunks(generation, shape, body.include_usage))
         return await _openai_whole(generation, shape, http)
 
     async def tgi(body: GenerateRequest, http: Request, stream: bool) -> Any:
@@ -107,7 +109,7 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
         prompt = served.current.runtime.encode(body.inputs)
         generation = start(served, prompt, budget, params)
         if stream:
-            return _sse(_tgi_events(generation, params.seed), done_line=False)
+            return _sse(generation, _tgi_events(generation, params.seed), tgi=True)
         return await _tgi_whole(generation, body, http)
 
     @app.post("/generate", dependencies=auth, response_model=None)
@@ -159,7 +161,7 @@ def _completion_shape(served: ServedModel, generation: Generation) -> dict:
     return {
         "kind": "text_completion",
         "id": f"cmpl-{uuid.uuid4().hex}",
-        "model": served.served_id,
+        "model": f"{served.registered}/{generation.loaded.version}",
         "prompt_tokens": len(generation.prompt),
     }
 
@@ -168,7 +170,7 @@ def _chat_shape(served: ServedModel, generation: Generation) -> dict:
     return {
         "kind": "chat.completion",
         "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "model": served.served_id,
+        "model": f"{served.registered}/{generation.loaded.version}",
         "prompt_tokens": len(generation.prompt),
     }
 
@@ -282,31 +284,57 @@ def _tgi_token(piece: Piece) -> dict:
 
 
 def _tgi_details(finish: Finish, seed: int | None) -> dict:
-    reason = {"stop": "eos_token", "length": "length"}[finish.reason]
+    reason = (
+        "stop_sequence" if finish.stop_string else {"stop": "eos_token", "length": "length"}[finish.reason]
+    )
     return {"finish_reason": reason, "generated_tokens": finish.completion_tokens, "seed": seed}
 
 
 # --- transport: SSE, errors, key, body limit, metrics -----------------------------------------------------------
 
 
-def _sse(events: AsyncIterator[dict], done_line: bool = True) -> StreamingResponse:
-    """Server-sent events; an error after the stream has started is sent as a last `error` event."""
+class _CancellingStream(StreamingResponse):
+    """A stream whose request is cancelled however the response ends, even before its first byte (a client
+    that leaves that early never starts the generator whose cleanup would cancel it)."""
+
+    def __init__(self, generation: Generation, lines: AsyncIterator[str]) -> None:
+        super().__init__(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._generation = generation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.request.cancel()
+
+
+def _sse(generation: Generation, events: AsyncIterator[dict], tgi: bool = False) -> StreamingResponse:
+    """Server-sent events; an error after the stream has started is sent as a last event in the API's own error
+    shape (OpenAI: {"error": {"message", "type", "code"}}; TGI: {"error": message, "error_type": type})."""
 
     async def lines() -> AsyncIterator[str]:
         try:
             async for event in events:
                 yield f"data: {json.dumps(event)}\n\n"
         except RequestError as exc:
-            yield f"data: {json.dumps({'error': str(exc), 'error_type': exc.kind})}\n\n"
-        if done_line:
+            error = (
+                {"error": str(exc), "error_type": exc.kind}
+                if tgi
+                else _error_body(exc.status, str(exc), exc.kind)
+            )
+            yield f"data: {json.dumps(error)}\n\n"
+        if not tgi:
             yield "data: [DONE]\n\n"
 
-    return StreamingResponse(lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _CancellingStream(generation, lines())
+
+
+def _error_body(status: int, message: str, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(_error_body(status, message, kind), status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -316,6 +344,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         if exc.status == 401:
             headers = {"WWW-Authenticate": "Bearer"}
         return _error(exc.status, str(exc), exc.kind, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+        return _error(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
@@ -358,9 +391,11 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise RequestError(
-                    413, f"request body over {self.max_bytes} bytes (serve.max_body_kb)", "too_large"
+            if (
+                seen > self.max_bytes
+            ):  # FastAPI passes HTTPException through its body parsing (others become 400)
+                raise StarletteHTTPException(
+                    413, f"request body over {self.max_bytes} bytes (serve.max_body_kb)"
                 )
             return message
 
@@ -389,7 +424,12 @@ class RequestMetrics:
                 self.metrics.requests.labels(route, str(status[0])).inc()
                 self.metrics.latency.labels(route).observe(time.monotonic() - started)
 
-        await self.app(scope, receive, timed)
+        try:
+            await self.app(scope, receive, timed)
+        except Exception:  # answered by the server-error handler outside this middleware: count it here
+            self.metrics.requests.labels(route, "500").inc()
+            self.metrics.latency.labels(route).observe(time.monotonic() - started)
+            raise
 
 
 def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, port: int) -> None:

@@ -14,6 +14,7 @@ from serving.scheduler import GenerationRequest, QueueFull, Sampling, SchedulerC
 from serving.text import RequestError, TextStream
 
 RETRY_AFTER_S = 1  # what a 429 suggests: a batch step frees slots every few hundred milliseconds at most
+DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request asks whether its client is still there
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Piece:
 class Finish:
     reason: str  # "stop" (EOS or a stop string) or "length"
     completion_tokens: int
+    stop_string: bool = False  # a stop string (not the end-of-sequence token) ended it
 
 
 class Generation:
@@ -94,6 +96,7 @@ class Generation:
         """Pieces as tokens arrive, then one Finish; raises RequestError on timeout or an engine failure. Leaving
         early (a stop string, the client gone) cancels what the model has left to do for this request."""
         loop, produced = asyncio.get_running_loop(), 0
+        checked = loop.time()
         deadline = self._started + self.timeout_s
         try:
             while True:
@@ -107,11 +110,15 @@ class Generation:
                     if self.text.stopped:
                         yield self._finish("stop", produced)
                         return
+                    if disconnected is not None and loop.time() - checked >= DISCONNECT_CHECK_S:
+                        checked = loop.time()
+                        if await disconnected():  # nobody reads the answer any more
+                            raise RequestError(499, "client closed the connection", "cancelled")
                 elif kind == "done":
                     tail = self.text.finish()
                     if tail:
                         yield Piece(tail)
-                    yield self._finish(value, produced)
+                    yield self._finish("stop" if self.text.stopped else value, produced)
                     return
                 else:
                     raise RequestError(500, value, "server_error")
@@ -128,7 +135,7 @@ class Generation:
                     504, f"no answer within {self.timeout_s:g} s (serve.request_timeout_s)", "timeout"
                 )
             try:  # wake up now and then to notice a client that went away (non-streaming requests)
-                return await asyncio.wait_for(self._queue.get(), min(left, 1.0))
+                return await asyncio.wait_for(self._queue.get(), min(left, DISCONNECT_CHECK_S))
             except TimeoutError:
                 if disconnected is not None and await disconnected():  # nobody reads the answer any more
                     raise RequestError(499, "client closed the connection", "cancelled") from None
@@ -136,4 +143,4 @@ class Generation:
     def _finish(self, reason: str, produced: int) -> Finish:
         if self.metrics:
             self.metrics.tokens.labels("out").inc(produced)
-        return Finish("stop" if reason == "cancelled" else reason, produced)
+        return Finish("stop" if reason == "cancelled" else reason, produced, stop_string=self.text.stopped)

@@ -68,17 +68,24 @@ async def _one(client: httpx.AsyncClient, model: str | None, request: LoadReques
         "stream_options": {"include_usage": True},
     }
     started, first, tokens = time.perf_counter(), float("nan"), 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return Outcome(response.status_code, first, time.perf_counter() - started, 0)
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if chunk.get("choices") and first != first:  # nan: the first chunk carrying a token
-                first = time.perf_counter() - started
-            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return Outcome(response.status_code, first, time.perf_counter() - started, 0)
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if "error" in chunk:  # failed after the stream began (e.g. its timeout): not an answer
+                    return Outcome(
+                        chunk["error"].get("code", 500), first, time.perf_counter() - started, tokens
+                    )
+                if chunk.get("choices") and first != first:  # nan: the first chunk carrying a token
+                    first = time.perf_counter() - started
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    except httpx.HTTPError:  # a dropped connection counts as a failed request, not the end of the test
+        return Outcome(0, first, time.perf_counter() - started, 0)
     return Outcome(200, first, time.perf_counter() - started, tokens)
 
 

@@ -83,6 +83,11 @@ class ServedModel:
         previous.retire()
 
 
+# What clients send when they do not choose (huggingface_hub's InferenceClient with a base URL sends "dummy", as
+# TGI, which serves one model, ignores the field): the default model answers them.
+PLACEHOLDER_NAMES = frozenset({"dummy", "tgi"})
+
+
 class ModelRouter:
     """The served models by the names clients use; the first one answers requests that name none."""
 
@@ -93,7 +98,7 @@ class ModelRouter:
 
     def route(self, requested: str | None) -> ServedModel:
         """The model a request names (None: the default one); unknown names are a 404 listing the served ones."""
-        if requested is None:
+        if requested is None or requested in PLACEHOLDER_NAMES:
             return self.models[0]
         for model in self.models:
             if model.answers_to(requested):

@@ -33,10 +33,13 @@ class Sampling:
     seed: int | None = None
 
 
+GREEDY_BELOW = 1e-5  # a temperature this small samples the argmax anyway; dividing by it would overflow
+
+
 def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
     """The next token from one sequence's logits: argmax when greedy, else a draw after temperature, top-k and
     nucleus (top-p) cuts."""
-    if sampling.temperature == 0:
+    if sampling.temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / sampling.temperature
     order = np.argsort(-scaled, kind="stable")
@@ -47,6 +50,8 @@ def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
     if sampling.top_p < 1.0:  # the smallest head whose mass reaches top_p (always at least one token)
         keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    if not np.isfinite(probs).all():  # logits the engine returned as inf/nan: nothing sensible to draw from
+        raise ValueError("the model's logits are not finite")
     return int(order[rng.choice(len(order), p=probs)])
 
 
@@ -72,6 +77,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] = frozenset()
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.monotonic)
+    ended: bool = False  # its last event was sent (set by the scheduler, under its lock)
 
     def cancel(self) -> None:
         """Stop generating for this request at the next step boundary (its slot goes to the next in line)."""
@@ -109,9 +115,10 @@ class Scheduler:
         return self._thread.is_alive()
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request; QueueFull when `max_queue` are waiting, SchedulerClosed after `close`."""
+        """Queue a request; QueueFull when `max_queue` are waiting, SchedulerClosed after `close` (or if the
+        worker has died)."""
         with self._wake:
-            if self._closed:
+            if self._closed or not self._thread.is_alive():
                 raise SchedulerClosed
             if len(self._queue) >= self.max_queue:
                 raise QueueFull
@@ -128,7 +135,20 @@ class Scheduler:
             self._thread.join()
 
     def _work(self) -> None:
-        decoder, running = self.runtime.batch_decoder(), {}
+        running: dict[int, _Running] = {}
+        try:
+            self._serve(running)
+        except BaseException as exc:  # the worker cannot go on: end every request it holds, refuse new ones
+            log.exception("scheduler worker stopped")
+            with self._wake:
+                self._closed = True
+                orphans = [*(item.request for item in running.values()), *self._queue]
+                self._queue.clear()
+            for request in orphans:
+                self._end(request, ("error", f"the model's worker stopped: {exc}"))
+
+    def _serve(self, running: dict[int, _Running]) -> None:
+        decoder = self.runtime.batch_decoder()
         while True:
             with self._wake:
                 while not self._queue and not running and not self._closed:
@@ -140,11 +160,7 @@ class Scheduler:
                 ]
             calls = decoder.steps
             for request in joining:
-                try:
-                    self._admit(decoder, running, request)
-                except Exception as exc:  # this prompt failed in the engine: only its request ends
-                    log.exception("engine failed on a prompt")
-                    self._end(request, ("error", f"generation failed: {exc}"))
+                self._admit(decoder, running, request)
             try:
                 if running:
                     self._step(decoder, running)
@@ -152,7 +168,7 @@ class Scheduler:
                 log.exception("engine step failed")
                 for item in running.values():
                     self._end(item.request, ("error", f"generation failed: {exc}"))
-                running = {}
+                running.clear()
             self.steps += decoder.steps - calls
             if self.metrics:
                 self.metrics.engine_calls(decoder.steps - calls)
@@ -160,18 +176,24 @@ class Scheduler:
                 decoder = self.runtime.batch_decoder()
 
     def _admit(self, decoder: Any, running: dict[int, _Running], request: GenerationRequest) -> None:
+        """Run a newcomer's prompt and pick its first token; a failure ends this request only."""
         if request.cancelled.is_set():
             self._end(request, ("done", "cancelled"))
             return
         if self.metrics:
             self.metrics.queue_wait(time.monotonic() - request.queued_at)
-        started = time.perf_counter()
-        sequence, logits = decoder.add(request.prompt)
-        if self.metrics:
-            self.metrics.engine_seconds("prefill", time.perf_counter() - started)
-        item = _Running(request, np.random.default_rng(request.sampling.seed))
-        running[sequence] = item
-        self._emit(decoder, running, sequence, logits)
+        sequence = None
+        try:
+            rng = np.random.default_rng(request.sampling.seed)
+            started = time.perf_counter()
+            sequence, logits = decoder.add(request.prompt)
+            if self.metrics:
+                self.metrics.engine_seconds("prefill", time.perf_counter() - started)
+            running[sequence] = _Running(request, rng)
+            self._emit(decoder, running, sequence, logits)
+        except Exception as exc:
+            log.exception("a request failed on its prompt")
+            self._drop(decoder, running, sequence, request, exc)
 
     def _step(self, decoder: Any, running: dict[int, _Running]) -> None:
         for sequence in [s for s, item in running.items() if item.request.cancelled.is_set()]:
@@ -185,7 +207,18 @@ class Scheduler:
             self.metrics.engine_seconds("decode", time.perf_counter() - started)
             self.metrics.batch(len(running))  # the histogram's sum counts every decoded token
         for sequence, logits in stepped.items():
-            self._emit(decoder, running, sequence, logits)
+            try:
+                self._emit(decoder, running, sequence, logits)
+            except Exception as exc:  # e.g. a sampling failure: this request ends, its neighbours go on
+                log.exception("a request failed choosing its token")
+                self._drop(decoder, running, sequence, running[sequence].request, exc)
+
+    def _drop(
+        self, decoder: Any, running: dict, sequence: int | None, request: GenerationRequest, exc: Exception
+    ) -> None:
+        if sequence is not None and running.pop(sequence, None) is not None:
+            decoder.remove(sequence)
+        self._end(request, ("error", f"generation failed: {exc}"))
 
     def _emit(self, decoder: Any, running: dict[int, _Running], sequence: int, logits: np.ndarray) -> None:
         """Pick and send the sequence's next token; retire the sequence when it is finished."""
@@ -193,10 +226,10 @@ class Scheduler:
         request = item.request
         finish = "cancelled" if request.cancelled.is_set() else None
         if finish is None:
-            item.last = choose_token(logits, request.sampling, item.rng)
-            item.produced += 1
-            request.on_event(("token", (item.last, _logprob(logits, item.last))))
-            if item.last in request.stop_ids:
+            token = choose_token(logits, request.sampling, item.rng)
+            item.last, item.produced = token, item.produced + 1
+            request.on_event(("token", (token, _logprob(logits, token))))
+            if token in request.stop_ids:
                 finish = "stop"
             elif item.produced >= request.max_tokens:
                 finish = "length"
@@ -206,9 +239,16 @@ class Scheduler:
             self._end(request, ("done", finish))
 
     def _end(self, request: GenerationRequest, event: tuple[str, Any]) -> None:
+        """Send a request's last event, once (a request that already ended is left alone)."""
         with self._wake:
+            if request.ended:
+                return
+            request.ended = True
             self.in_flight -= 1
-        request.on_event(event)
+        try:
+            request.on_event(event)
+        except Exception:  # the receiver is gone (its event loop closed): nothing left to tell
+            log.debug("a finished request's receiver is gone", exc_info=True)
 
 
 def _logprob(logits: np.ndarray, token: int) -> float:

@@ -21,7 +21,7 @@ class OpenAISampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0)
     stop: Stops = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -93,7 +93,7 @@ class TgiParameters(BaseModel):
     temperature: float | None = Field(None, gt=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0)
     stop: Annotated[list[str], Field(max_length=4)] | None = None
     details: bool | None = None
     return_full_text: bool | None = None

@@ -17,34 +17,52 @@ class RequestError(LlmoptError):
 
 class TextStream:
     """Text of a growing list of token ids, released in safe pieces: never half a UTF-8 character, never text
-    that may turn out to be the start of a stop string, nothing from a stop string on."""
+    that may turn out to be the start of a stop string, nothing from a stop string on.
+
+    Decoding is incremental (as TGI and vLLM do it): only the ids since the last settled point are decoded, with
+    a few ids before them as context, so a long answer costs linear time and tokenizers that drop a leading space
+    at the start of a decode still join pieces correctly."""
 
     def __init__(self, tokenizer: Any, stops: list[str]) -> None:
         self._tokenizer, self._stops = tokenizer, [stop for stop in stops if stop]
         self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False  # a stop string was found; nothing more is released
+        self._decoded = ""  # the text of `ids[:_read]`
+        self._prefix = self._read = 0  # context start and settled end of the ids decoded so far
 
     def push(self, token: int) -> str:
         """Add a generated token; the newly releasable text ('' while held back)."""
         self.ids.append(token)
-        full = self._tokenizer.decode(self.ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if after.endswith("\ufffd") or len(after) < len(before):  # a multi-byte character is not complete yet
             return ""
-        cut = min((index for index in map(full.find, self._stops) if index >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            return self._release(full[:cut])
-        held = max((_overlap(full, stop) for stop in self._stops), default=0)
-        return self._release(full[: len(full) - held])
+        self._decoded += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        return self._release(final=False)
 
     def finish(self) -> str:
         """The text held back at the end (a stop string's possible start that never completed)."""
         if self.stopped:
             return ""
-        return self._release(self._tokenizer.decode(self.ids, skip_special_tokens=True))
+        self._decoded += self._decode(self.ids[self._prefix :])[
+            len(self._decode(self.ids[self._prefix : self._read])) :
+        ]
+        self._read = len(self.ids)
+        return self._release(final=True)
 
-    def _release(self, upto: str) -> str:
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _release(self, final: bool) -> str:
+        full = self._decoded
+        cut = min((index for index in map(full.find, self._stops) if index >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, upto = True, full[:cut]
+        else:
+            held = 0 if final else max((_overlap(full, stop) for stop in self._stops), default=0)
+            upto = full[: len(full) - held]
         delta = upto[len(self.text) :] if upto.startswith(self.text) else ""
         self.text += delta
         return delta

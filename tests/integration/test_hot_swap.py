@@ -125,6 +125,17 @@ def test_a_promotion_is_swapped_in_under_load_and_a_corrupted_version_is_refused
     assert "refusing to use them" in health["swap_error"] and "refusing to use them" in log
 
 
+def test_serve_refuses_to_start_on_a_corrupted_production_version(registry_project):
+    root, client, versions = registry_project
+    corrupted = _register_corrupted_copy(root, client, versions["baseline"])
+    client.set_registered_model_alias(MODEL, "production", corrupted)
+    result = run(root, "llmopt", "serve", "--port", str(_free_port()), check=False, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout
+    assert lines[-1].startswith("error:") and f"{MODEL} v{corrupted}" in lines[-1]
+    assert "refusing to use them" in lines[-1]
+
+
 def _register_corrupted_copy(root: Path, client, version: str) -> str:
     """A new version carrying a copy of `version`'s artifacts with 64 bytes of its weights overwritten (what a
     damaged upload looks like); its tags, content hash included, are the original's."""

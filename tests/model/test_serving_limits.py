@@ -94,7 +94,14 @@ def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime,
         missing = complete(url, model="nope")
         assert missing.status_code == 404 and "served: tiny/3" in missing.json()["error"]["message"]
         still_answers()
-        for bad in ({"n": 2}, {"bogus": 1}, {"max_tokens": 0}, {"prompt": ""}, {"temperature": -1}):
+        for bad in (
+            {"n": 2},
+            {"bogus": 1},
+            {"max_tokens": 0},
+            {"prompt": ""},
+            {"temperature": -1},
+            {"seed": -1},
+        ):
             assert complete(url, **bad).status_code == 422, bad
         still_answers()
         long_prompt = " ".join(["the river walks the stone"] * 120)  # under the body limit, over the context
@@ -107,6 +114,12 @@ def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime,
             and "512" in message
         )
         assert complete(url, prompt="x" * 5000).status_code == 413
+        chunked = httpx.post(  # no Content-Length: the limit is enforced while the body streams in
+            f"{url}/v1/completions",
+            content=iter([b"{" + b" " * 3000] * 3),
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
+        assert chunked.status_code == 413 and chunked.json()["error"]["type"] == "too_large"
         still_answers()
 
         gated.gate.clear()  # the engine is now busy with the first request: one more queues, the next is refused
@@ -148,9 +161,8 @@ def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they
 
         with ThreadPoolExecutor(len(requests)) as pool:
             answers = [pool.submit(ask, request) for request in requests]
-            wait_until(
-                lambda: httpx.get(f"{url}/health").json()["models"][0]["queued"] == len(requests) - 1, "queue"
-            )
+            in_flight = lambda: httpx.get(f"{url}/health").json()["models"][0]["in_flight"]  # noqa: E731
+            wait_until(lambda: in_flight() == len(requests), "every request to reach the server")
             gated.gate.set()
             answers = [answer.result() for answer in answers]
         calls = gated.decoders[0].steps
@@ -205,3 +217,36 @@ def test_one_server_routes_each_request_to_the_model_it_names(onnx_runtime, runt
         assert client.post("/v1/completions", json={**body, "model": "tiny/1"}).json()["model"] == "tiny/1"
         assert client.post("/v1/completions", json=body).json()["model"] == "tiny/3"  # none named: the first
         assert [m["engine"] for m in client.get("/health").json()["models"]] == ["onnxruntime-genai", "torch"]
+
+
+def test_a_request_failing_in_the_worker_ends_alone_and_its_neighbours_finish(onnx_runtime):
+    from serving.scheduler import GenerationRequest, Sampling, Scheduler
+
+    prompt = onnx_runtime.encode(PROMPT)
+    gated = GatedRuntime(onnx_runtime)
+    scheduler = Scheduler(gated, max_batch=4, max_queue=4)
+    events: dict[str, list] = {"good": [], "bad": []}
+    ended = threading.Semaphore(0)
+
+    def collect(name):
+        def on_event(event):
+            events[name].append(event)
+            if event[0] in ("done", "error"):
+                ended.release()
+
+        return on_event
+
+    good = GenerationRequest(prompt, 6, Sampling(), collect("good"))
+    bad = GenerationRequest(
+        prompt, 6, Sampling(temperature=1.0, seed=-1), collect("bad")
+    )  # its RNG cannot start
+    scheduler.submit(good)
+    scheduler.submit(bad)
+    gated.gate.set()
+    assert ended.acquire(timeout=30) and ended.acquire(timeout=30)
+    scheduler.close()
+    assert [kind for kind, _ in events["bad"]] == ["error"]
+    assert [value[0] for kind, value in events["good"] if kind == "token"] == onnx_runtime.generate(
+        [prompt], 6
+    )[0]
+    assert events["good"][-1][0] == "done" and scheduler.in_flight == 0 and gated.decoders[0].active == 0
