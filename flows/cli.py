@@ -432,16 +432,14 @@ def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
     """Prefect pointed at the Prefect server (before Prefect is first imported: it reads its settings once), the
     cheap checks, then the services up."""
     from flows.services import prefect_api_url, start
-    from tasks.inputs.load import check_model_source
-    from tasks.targets import check_target
+    from tasks.preflight import preflight
 
     config = load_config(params)
     os.environ["PREFECT_API_URL"] = prefect_api_url(config)
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
     from flows.schedule import check_schedule  # imports Prefect: only now
 
-    check_target(config)
-    check_model_source(config.model)
+    preflight(config, params.resolve().parent)
     check_schedule(config)
     _each_service(config, params, start)
     return _setup_flow_run(params, debug)
@@ -474,17 +472,11 @@ def _configure_environment(workdir: Path, debug: bool) -> None:
 
 
 def _setup_flow_run(params: Path, debug: bool) -> tuple[Config, Path]:
-    """Config, cheap pre-flight checks (before Prefect starts), and Prefect's home folder."""
+    """Config, the pre-flight checks (all of them, before Prefect starts), and Prefect's home folder."""
     config, root = _setup(params, debug)
-    from tasks.inputs.load import check_model_source
-    from tasks.targets import check_target
+    from tasks.preflight import preflight
 
-    check_target(config)
-    check_model_source(config.model)
-    if config.evaluate.lm_eval_tasks:
-        from tasks.measure.lm_eval_adapter import require_lm_eval
-
-        require_lm_eval()
+    preflight(config, root)
     # Prefect's embedded server needs its home folder to exist before it opens its database there.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     return config, root

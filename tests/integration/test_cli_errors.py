@@ -48,8 +48,34 @@ def test_missing_local_model(tmp_path, corpus_dir):
     params = tiny_params(tmp_path / "no-such-model", corpus_dir)
     root = make_project(tmp_path / "p", params, with_dvc=False)
     code, line = run_failing(root)
-    assert code == 1
+    assert code == 2
     assert line.endswith(f"model.source: local model folder {tmp_path / 'no-such-model'} does not exist")
+    assert not (root / ".llmopt").exists()
+
+
+def test_every_pre_flight_problem_is_named_at_once_before_anything_starts(tmp_path, tiny_model_dir):
+    params = tiny_params(
+        tiny_model_dir, tmp_path / "no-such-corpus", tracking={"uri": "ftp://example.org/mlflow"}
+    )
+    root = make_project(tmp_path / "p", params, with_dvc=True)
+    run(root, "dvc", "remote", "default", "--unset")
+    code, line = run_failing(root)
+    assert code == 2 and "3 problems, nothing started" in line
+    assert f"data.source: {tmp_path / 'no-such-corpus'} does not exist" in line
+    assert "tracking.uri: scheme ftp:// is not supported" in line and "DVC: no default remote" in line
+    assert not (root / ".llmopt").exists() and registered_models(root) == 0
+
+
+def test_an_unreachable_tracking_server_is_refused_before_work_starts(tmp_path, tiny_model_dir, corpus_dir):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    params = tiny_params(tiny_model_dir, corpus_dir, tracking={"uri": f"http://127.0.0.1:{port}"})
+    root = make_project(tmp_path / "p", params, with_dvc=False)
+    code, line = run_failing(root)
+    assert code == 2 and f"tracking.uri: nothing answers at 127.0.0.1:{port}" in line
     assert not (root / ".llmopt").exists()
 
 

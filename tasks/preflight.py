@@ -1,0 +1,122 @@
+"""Pre-flight: everything that can be checked before work starts is checked at once, and every problem found is
+reported together (exit code 2), instead of the first one surfacing after minutes of model conversion."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlparse
+
+from tasks.config import Config, DataConfig, TrackingConfig
+from tasks.errors import ConfigError, LlmoptError
+
+# MLflow stores llmopt has been run against; anything else is refused before work starts.
+TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql")
+ARTIFACT_SCHEMES = ("", "file", "s3")
+REACH_TIMEOUT_S = 3.0
+
+
+class PreflightError(ConfigError):
+    """One or more things a run needs are missing or unreachable (all of them named in one message)."""
+
+
+def preflight(config: Config, root: Path) -> None:
+    """Run every check; raise one PreflightError naming all problems, or return when the run can start."""
+    from tasks.inputs.load import check_model_source
+    from tasks.targets import check_target
+
+    checks: list[Callable[[], None]] = [
+        lambda: check_target(config),
+        lambda: check_model_source(config.model),
+        lambda: check_data_source(config.data, root / config.project.downloads),
+        lambda: check_tracking(config.tracking, root),
+        lambda: check_dvc_remote(root),
+        lambda: check_disk_space(config, root),
+    ]
+    if config.evaluate.lm_eval_tasks:
+        from tasks.measure.lm_eval_adapter import require_lm_eval
+
+        checks.append(require_lm_eval)
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except LlmoptError as exc:
+            problems.append(str(exc))
+    if len(problems) == 1:
+        raise PreflightError(problems[0])
+    if problems:
+        raise PreflightError(f"{len(problems)} problems, nothing started: " + "; ".join(problems))
+
+
+def check_data_source(cfg: DataConfig, downloads: Path) -> None:
+    """The corpus can be read: the fetched Brown tarball, a hub dataset id, or a local file/folder."""
+    from tasks.inputs.data import BROWN, BROWN_TARBALL, HUB_PREFIX
+
+    if cfg.source == BROWN:
+        if not (downloads / BROWN_TARBALL).is_file():
+            raise ConfigError(f"data.source: brown needs {downloads / BROWN_TARBALL}; run `make corpus`")
+    elif cfg.source.startswith(HUB_PREFIX):
+        if "/" not in cfg.source.removeprefix(HUB_PREFIX).strip("/"):
+            raise ConfigError(f"data.source: {cfg.source!r} is not a hub dataset id (hf:owner/name)")
+    elif not Path(cfg.source).exists():
+        raise ConfigError(f"data.source: {cfg.source} does not exist")
+
+
+def check_tracking(cfg: TrackingConfig, root: Path) -> None:
+    """The tracking/registry store's scheme is one llmopt supports and, for a server, it answers."""
+    scheme = urlparse(cfg.uri).scheme
+    if scheme not in TRACKING_SCHEMES:
+        raise ConfigError(
+            f"tracking.uri: scheme {scheme or '(none)'}:// is not supported; use one of {', '.join(TRACKING_SCHEMES)}"
+        )
+    if scheme in ("http", "https", "postgresql", "mysql"):
+        _reachable("tracking.uri", cfg.uri)
+    artifact_scheme = urlparse(cfg.artifacts).scheme
+    if artifact_scheme not in ARTIFACT_SCHEMES:
+        raise ConfigError(
+            f"tracking.artifacts: scheme {artifact_scheme}:// is not supported; use a folder or s3://"
+        )
+
+
+def _reachable(key: str, uri: str) -> None:
+    parsed = urlparse(uri)
+    default_port = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306}[parsed.scheme]
+    host, port = parsed.hostname or "localhost", parsed.port or default_port
+    try:
+        socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError(f"{key}: nothing answers at {host}:{port} ({exc.strerror or exc})") from None
+
+
+def check_dvc_remote(root: Path) -> None:
+    """In a DVC project, a default remote is configured (the pipeline's weights are pushed there)."""
+    import configparser
+
+    if not (root / ".dvc").is_dir():
+        return  # llmopt run outside DVC: nothing is pushed
+    parser = configparser.ConfigParser()
+    parser.read([root / ".dvc" / "config", root / ".dvc" / "config.local"])
+    if not parser.get("core", "remote", fallback=None):
+        raise ConfigError("DVC: no default remote; add one with `dvc remote add -d <name> <url>`")
+
+
+def check_disk_space(config: Config, root: Path) -> None:
+    """Room in the work folder for the variants still to build, each counted at the base model's fp32 size
+    (the largest a variant gets); skipped before the first run, when that size is not known yet."""
+    from tasks.storage import folder_size
+
+    workdir = root / config.project.workdir
+    base, variants = workdir / "base", workdir / "variants"
+    if not base.is_dir():
+        return
+    missing = [name for name in config.variants if not (variants / name / "manifest.json").is_file()]
+    needed = folder_size(base) * len(missing)
+    free = shutil.disk_usage(workdir).free
+    if needed > free:
+        raise ConfigError(
+            f"disk: {len(missing)} variants to build need about {needed / 1e9:.1f} GB in {workdir}, "
+            f"{free / 1e9:.1f} GB free"
+        )
