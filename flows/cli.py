@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -335,7 +336,7 @@ def _print_load_test(results: list, ceiling: tuple[int, float] | None) -> None:
             f"{r.prefill_share:.0%}",
             str(r.errors),
         )
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 130).print(table)  # piped: do not squeeze to 80
     console.print(
         "tok/s: generated tokens of all requests per second; decode tok/s: the same inside batched decode steps "
         "only; prefill: share of the time the engine spent on prompts (every running request waits for it)."
