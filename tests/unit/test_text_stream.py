@@ -66,3 +66,11 @@ def test_the_same_seed_draws_the_same_tokens():
         return [choose_token(logits, Sampling(temperature=1.0, seed=seed), rng) for _ in range(10)]
 
     assert draws(7) == draws(7) and draws(7) != draws(8)
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_400_naming_the_alternative():
+    from serving.text import RequestError, chat_prompt
+
+    with pytest.raises(RequestError, match="no chat template; use /v1/completions") as error:
+        chat_prompt(ByteTokenizer(), [{"role": "user", "content": "hi"}])
+    assert error.value.status == 400
