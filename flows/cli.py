@@ -431,19 +431,17 @@ def schedule(
 
 def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
     """Prefect pointed at the Prefect server (before Prefect is first imported: it reads its settings once), the
-    cheap checks, then the services up."""
+    pre-flight checks, then the services up."""
     from flows.services import prefect_api_url, start
-    from tasks.preflight import preflight
 
-    config = load_config(params)
-    os.environ["PREFECT_API_URL"] = prefect_api_url(config)
+    os.environ["PREFECT_API_URL"] = prefect_api_url(load_config(params))
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
+    config, root = _setup_flow_run(params, debug)
     from flows.schedule import check_schedule  # imports Prefect: only now
 
-    preflight(config, params.resolve().parent)
     check_schedule(config)
     _each_service(config, params, start)
-    return _setup_flow_run(params, debug)
+    return config, root
 
 
 def _setup(params: Path, debug: bool) -> tuple[Config, Path]:

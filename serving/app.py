@@ -86,7 +86,7 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
         served = router.route(body.model)
         prompt = served.current.runtime.encode(body.prompt)
         generation = start(served, prompt, min(body.max_tokens, settings.max_new_tokens), body)
-        shape = _completion_shape(served, generation)
+        shape = _shape("text_completion", served, generation)
         if body.stream:
             return _sse(generation, _openai_chunks(generation, shape, body.include_usage))
         return await _openai_whole(generation, shape, http)
@@ -97,7 +97,7 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
         runtime = served.current.runtime
         prompt = runtime.encode(chat_prompt(runtime.tokenizer, [m.model_dump() for m in body.messages]))
         generation = start(served, prompt, body.token_budget(settings.max_new_tokens), body)
-        shape = _chat_shape(served, generation)
+        shape = _shape("chat.completion", served, generation)
         if body.stream:
             return _sse(generation, _openai_chunks(generation, shape, body.include_usage))
         return await _openai_whole(generation, shape, http)
@@ -131,9 +131,8 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
 
 def _starter(router: ModelRouter, settings: ServeConfig, metrics: ServerMetrics) -> Callable[..., Generation]:
     def start(served: ServedModel, prompt: list[int], max_tokens: int, body: Any) -> Generation:
-        stops = body.stops() if hasattr(body, "stops") else list(body.stop or [])
         generation = Generation(
-            served, prompt, max_tokens, body.sampling(), stops, settings.request_timeout_s, metrics
+            served, prompt, max_tokens, body.sampling(), body.stops(), settings.request_timeout_s, metrics
         )
         generation.start()
         return generation
@@ -157,19 +156,12 @@ def _describe(model: ServedModel) -> dict:
 # --- OpenAI wire format -----------------------------------------------------------------------------------------
 
 
-def _completion_shape(served: ServedModel, generation: Generation) -> dict:
+def _shape(kind: str, served: ServedModel, generation: Generation) -> dict:
+    """What every OpenAI answer of one request carries: its kind, id, the exact version and the prompt size."""
+    prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
     return {
-        "kind": "text_completion",
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "model": f"{served.registered}/{generation.loaded.version}",
-        "prompt_tokens": len(generation.prompt),
-    }
-
-
-def _chat_shape(served: ServedModel, generation: Generation) -> dict:
-    return {
-        "kind": "chat.completion",
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "kind": kind,
+        "id": f"{prefix}-{uuid.uuid4().hex}",
         "model": f"{served.registered}/{generation.loaded.version}",
         "prompt_tokens": len(generation.prompt),
     }

@@ -110,7 +110,7 @@ class ModelRouter:
 def serve_runtime(
     runtime: Runtime, name: str, version: str, settings: ServeConfig, metrics: Any = None
 ) -> ServedModel:
-    """A runtime already in memory, served as `name/version` (never swapped): tests and `llmopt bench` tools."""
+    """A runtime already in memory, served as `name/version` (never swapped), e.g. by tests."""
     limits = Limits.of(settings)
     scheduler = Scheduler(runtime, limits.max_batch, limits.max_queue, metrics)
     return ServedModel(name, None, LoadedModel(version, runtime, scheduler))

@@ -124,13 +124,19 @@ class Scheduler:
                 raise QueueFull
             self._queue.append(request)
             self.in_flight += 1
-            self._wake.notify()
+            self._wake.notify_all()
+
+    def wait_for(self, condition: Callable[[Scheduler], bool], timeout_s: float) -> bool:
+        """Block until `condition(self)` holds (checked whenever the queue or the requests in flight change);
+        False if it still does not after `timeout_s`."""
+        with self._wake:
+            return self._wake.wait_for(lambda: condition(self), timeout_s)
 
     def close(self, wait: bool = True) -> None:
         """Take no new requests; the worker finishes what is queued and running, then exits."""
         with self._wake:
             self._closed = True
-            self._wake.notify()
+            self._wake.notify_all()
         if wait:
             self._thread.join()
 
@@ -158,6 +164,7 @@ class Scheduler:
                 joining = [
                     self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch - len(running)))
                 ]
+                self._wake.notify_all()  # the queue changed (see `wait_for`)
             calls = decoder.steps
             for request in joining:
                 self._admit(decoder, running, request)
@@ -245,6 +252,7 @@ class Scheduler:
                 return
             request.ended = True
             self.in_flight -= 1
+            self._wake.notify_all()
         try:
             request.on_event(event)
         except Exception:  # the receiver is gone (its event loop closed): nothing left to tell

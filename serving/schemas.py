@@ -115,6 +115,9 @@ class TgiParameters(BaseModel):
             raise ValueError(f"not supported by this server: {', '.join(used)}")
         return self
 
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
     def sampling(self) -> Sampling:
         """TGI's rule: greedy unless `do_sample`, or a temperature, top_p or top_k asks for sampling."""
         wants = self.do_sample or any(v is not None for v in (self.temperature, self.top_p, self.top_k))

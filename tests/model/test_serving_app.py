@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
 from serving.app import create_app
-from serving.models import ModelRouter, serve_runtime
+from serving.models import ModelRouter, ServedModel, serve_runtime
 from tasks.build.optimize import build_variant
 from tasks.config import ServeConfig, VariantConfig
 from tasks.engines import Runtime, load_runtime
@@ -29,31 +28,32 @@ def runtime(request, tiny_base, tmp_path_factory) -> Runtime:
 
 
 @contextmanager
-def live_server(runtime: Runtime, settings: ServeConfig, version: str = "3") -> Iterator[str]:
-    """The app under uvicorn on a free loopback port, in a thread; stopped (schedulers closed) on exit."""
+def live_server(
+    runtime: Runtime, settings: ServeConfig, version: str = "3"
+) -> Iterator[tuple[str, ServedModel]]:
+    """(URL, served model) of the app under uvicorn on a free loopback port, in a thread; stopped on exit. The
+    socket listens before uvicorn starts, so clients can connect at once (the kernel queues them)."""
     import uvicorn
 
-    app = create_app(ModelRouter([serve_runtime(runtime, "tiny", version, settings)]), settings)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    served = serve_runtime(runtime, "tiny", version, settings)
+    app = create_app(ModelRouter([served]), settings)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:  # uvicorn offers no start event; it flips this flag once it listens
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", served
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        listener.close()
 
 
 @pytest.fixture(scope="module")
 def url(runtime) -> Iterator[str]:
-    with live_server(runtime, ServeConfig(max_new_tokens=8)) as base:
+    with live_server(runtime, ServeConfig(max_new_tokens=8)) as (base, _):
         yield base
 
 

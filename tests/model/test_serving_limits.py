@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -58,13 +57,6 @@ class GatedRuntime:
         return decoder
 
 
-def wait_until(condition, what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def complete(url: str, key: str | None = KEY, **body) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     payload = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, **body}
@@ -83,7 +75,7 @@ def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime,
     )
     gated = GatedRuntime(onnx_runtime)
     gated.gate.set()
-    with live_server(gated, settings) as url:
+    with live_server(gated, settings) as (url, served):
 
         def still_answers() -> None:
             assert complete(url).status_code == 200
@@ -123,14 +115,14 @@ def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime,
         still_answers()
 
         gated.gate.clear()  # the engine is now busy with the first request: one more queues, the next is refused
-        model = lambda: httpx.get(f"{url}/health").json()["models"][0]  # noqa: E731
+        scheduler = served.current.scheduler
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(complete, url)
-            wait_until(
-                lambda: model()["in_flight"] == 1 and model()["queued"] == 0, "the first to reach the engine"
+            assert scheduler.wait_for(lambda s: s.in_flight == 1 and s.queued == 0, 30), (
+                "first never reached the engine"
             )
             queued = pool.submit(complete, url)
-            wait_until(lambda: model()["queued"] == 1, "the second request to queue")
+            assert scheduler.wait_for(lambda s: s.queued == 1, 30), "the second request never queued"
             refused = complete(url)
             assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
             timed_out = running.result()  # the gate stays closed past serve.request_timeout_s
@@ -152,7 +144,7 @@ def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they
     ]  # lengths and budgets differ
     alone = [onnx_runtime.generate([prompt], budget)[0] for prompt, budget in requests]
     gated = GatedRuntime(onnx_runtime)
-    with live_server(gated, ServeConfig(max_new_tokens=8, max_batch=8)) as url:
+    with live_server(gated, ServeConfig(max_new_tokens=8, max_batch=8)) as (url, served):
 
         def ask(request) -> dict:
             prompt, budget = request
@@ -161,8 +153,8 @@ def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they
 
         with ThreadPoolExecutor(len(requests)) as pool:
             answers = [pool.submit(ask, request) for request in requests]
-            in_flight = lambda: httpx.get(f"{url}/health").json()["models"][0]["in_flight"]  # noqa: E731
-            wait_until(lambda: in_flight() == len(requests), "every request to reach the server")
+            reached = served.current.scheduler.wait_for(lambda s: s.in_flight == len(requests), 30)
+            assert reached, "not every request reached the server"
             gated.gate.set()
             answers = [answer.result() for answer in answers]
         calls = gated.decoders[0].steps
