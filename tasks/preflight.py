@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,8 +22,9 @@ class PreflightError(ConfigError):
     """One or more things a run needs are missing or unreachable (all of them named in one message)."""
 
 
-def preflight(config: Config, root: Path) -> None:
-    """Run every check; raise one PreflightError naming all problems, or return when the run can start."""
+def preflight(config: Config, root: Path, extra: Sequence[Callable[[Config], None]] = ()) -> None:
+    """Run every check (and the command's `extra` ones); raise one PreflightError naming all problems, or return
+    when the run can start."""
     from tasks.inputs.load import check_model_source
     from tasks.targets import check_target
 
@@ -39,6 +40,7 @@ def preflight(config: Config, root: Path) -> None:
         from tasks.measure.lm_eval_adapter import require_lm_eval
 
         checks.append(require_lm_eval)
+    checks += [lambda check=check: check(config) for check in extra]
     problems = []
     for check in checks:
         try:
@@ -63,6 +65,14 @@ def check_data_source(cfg: DataConfig, downloads: Path) -> None:
             raise ConfigError(f"data.source: {cfg.source!r} is not a hub dataset id (hf:owner/name)")
     elif not Path(cfg.source).exists():
         raise ConfigError(f"data.source: {cfg.source} does not exist")
+    else:
+        from tasks.inputs.data import LOCAL_SUFFIXES, local_text_files, read_local
+
+        if not local_text_files(Path(cfg.source)):
+            raise ConfigError(
+                f"data.source: {cfg.source} holds no text files ({', '.join(LOCAL_SUFFIXES)}) and is not a .jsonl file"
+            )
+        read_local(Path(cfg.source), cfg.text_column)  # every file decodes (one bad file is named)
 
 
 def check_tracking(cfg: TrackingConfig, root: Path) -> None:

@@ -28,3 +28,16 @@ def quiet_libraries() -> None:
 
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def output_to_log_file() -> None:
+    """In a spawned helper process (the benchmark): its stdout and stderr, C libraries' included, go to the
+    command's log file when the CLI keeps one (`$LLMOPT_LOG_FILE`; not with --debug). Its result and errors
+    travel back to the parent, which reports them."""
+    path = os.environ.get("LLMOPT_LOG_FILE")
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

@@ -8,10 +8,12 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 _CHUNK = 8 * 1024 * 1024
+_RACY_NS = 2_000_000_000
 
 
 def file_sha256(path: Path) -> str:
@@ -23,15 +25,109 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def folder_sha256(folder: Path, exclude: tuple[str, ...] = ()) -> str:
-    """SHA-256 over the relative names and contents of every file in `folder`, independent of walk order."""
-    digest = hashlib.sha256()
+def file_hashes(folder: Path, exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """SHA-256 of every file in `folder` by relative name (sorted), each read once per change: a file whose
+    inode, size, mtime and ctime are those it had when last hashed is not read again (see `HashCache`)."""
+    cache = HashCache.default()
+    hashes = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = path.relative_to(folder).as_posix()
-        if relative in exclude:
-            continue
-        digest.update(relative.encode() + b"\0" + file_sha256(path).encode() + b"\n")
+        if relative not in exclude:
+            hashes[relative] = cache.sha256(path)
+    return hashes
+
+
+def combined_sha256(hashes: dict[str, str]) -> str:
+    """One hash over files' relative names and hashes (what `folder_sha256` returns for them)."""
+    digest = hashlib.sha256()
+    for relative, sha in sorted(hashes.items()):
+        digest.update(relative.encode() + b"\0" + sha.encode() + b"\n")
     return digest.hexdigest()
+
+
+def folder_sha256(folder: Path, exclude: tuple[str, ...] = ()) -> str:
+    """SHA-256 over the relative names and contents of every file in `folder`, independent of walk order."""
+    return combined_sha256(file_hashes(folder, exclude))
+
+
+def first_difference(actual: dict[str, str], recorded: dict[str, str]) -> tuple[str, str, str] | None:
+    """(file, its hash now, the recorded hash) of the first file that differs; '(missing)' / '(not recorded)'
+    stand for a file on one side only. None when both agree."""
+    for name in sorted(set(actual) | set(recorded)):
+        now, then = actual.get(name, "(missing)"), recorded.get(name, "(not recorded)")
+        if now != then:
+            return name, now, then
+    return None
+
+
+class HashCache:
+    """Remembered file hashes, keyed by device and inode and valid while size, mtime and ctime are unchanged.
+
+    ctime cannot be set back by a user (unlike mtime with `touch -r`), so a rewritten file is always read again.
+    Keys survive renames (a staged folder moved into place keeps its hashes). The cache is a small SQLite file
+    ($LLMOPT_HASH_CACHE, default ~/.cache/llmopt/file-hashes.sqlite); when it cannot be opened or written,
+    every file is simply hashed.
+    """
+
+    _default: HashCache | None = None
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    @classmethod
+    def default(cls) -> HashCache:
+        location = os.environ.get("LLMOPT_HASH_CACHE") or str(
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmopt" / "file-hashes.sqlite"
+        )
+        if cls._default is None or str(cls._default.path) != location:
+            cls._default = cls(Path(location) if location != "off" else None)
+        return cls._default
+
+    def sha256(self, path: Path) -> str:
+        stat = path.stat()
+        key = f"{stat.st_dev}:{stat.st_ino}"
+        state = f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}"
+        known = self._lookup(key, state)
+        if known is not None:
+            return known
+        sha = file_sha256(path)
+        if time.time_ns() - stat.st_ctime_ns > _RACY_NS:  # a file changed this very second may change again
+            self._store(key, state, sha)  # within the same timestamp tick: such hashes are not remembered
+        return sha
+
+    def _connect(self):
+        import sqlite3
+
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(self.path, timeout=30)
+        connection.execute(
+            "create table if not exists hashes (key text primary key, state text, sha256 text)"
+        )
+        return connection
+
+    def _lookup(self, key: str, state: str) -> str | None:
+        import sqlite3
+
+        if self.path is None:
+            return None
+        try:
+            with contextlib.closing(self._connect()) as connection:
+                row = connection.execute("select state, sha256 from hashes where key = ?", (key,)).fetchone()
+        except (sqlite3.Error, OSError):
+            return None
+        return row[1] if row is not None and row[0] == state else None
+
+    def _store(self, key: str, state: str, sha: str) -> None:
+        import sqlite3
+
+        if self.path is None:
+            return
+        try:
+            with contextlib.closing(self._connect()) as connection, connection:
+                connection.execute("insert or replace into hashes values (?, ?, ?)", (key, state, sha))
+        except (sqlite3.Error, OSError):
+            pass  # a cache that cannot be written only costs time
 
 
 def folder_size(folder: Path) -> int:

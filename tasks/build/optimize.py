@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -15,12 +16,13 @@ from typing import Any
 from tasks.build.onnx_export import build_onnx_genai
 from tasks.config import Step, VariantConfig
 from tasks.engines import onnx_genai, pytorch
-from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, read_manifest
+from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
 from tasks.engines.onnx_genai import ONNX_GENAI
 from tasks.engines.torch_weights import HF_SAFETENSORS
 from tasks.errors import ConfigError, ModelSourceError
+from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase
-from tasks.storage import code_sha256, folder_sha256, folder_size, staged_folder
+from tasks.storage import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
 
 
 @dataclass
@@ -165,6 +167,8 @@ def build_variant(
             weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging, context)
         except StepArgumentError as exc:
             raise ConfigError(f"params.yaml: variants.{name}.steps: {exc}") from exc
+        failpoint("optimize")  # tests: SIGKILL with the variant half written
+        files = file_hashes(staging)
         manifest = VariantManifest(
             name=name,
             recipe=variant.recipe(),
@@ -177,10 +181,11 @@ def build_variant(
             engine=engine,
             parameters=parameters,
             size_bytes=folder_size(staging),
-            content_hash=folder_sha256(staging),
+            content_hash=combined_sha256(files),
             notes=notes,
             versions=_library_versions(),
             training=context.history,
+            files=files,
         )
         manifest.write(staging)
     shutil.rmtree(checkpoints.parent, ignore_errors=True)
@@ -188,14 +193,21 @@ def build_variant(
 
 
 def _reusable_manifest(out_dir: Path, build_key: str) -> VariantManifest | None:
+    """The manifest of an intact artifact built with `build_key` in `out_dir`, else None (build it again; a
+    damaged artifact is named in the log)."""
     if not (out_dir / MANIFEST_FILE).is_file():
         return None
     try:
         manifest = read_manifest(out_dir)
     except ModelSourceError:
         return None
-    intact = folder_sha256(out_dir, exclude=(MANIFEST_FILE,)) == manifest.content_hash
-    return manifest if manifest.build_key == build_key and intact else None
+    if manifest.build_key != build_key:
+        return None
+    problem = integrity_problem(out_dir, manifest)
+    if problem:
+        logging.getLogger(__name__).warning(f"{out_dir}: {problem}; building it again")
+        return None
+    return manifest
 
 
 def _apply_recipe(

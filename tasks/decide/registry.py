@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from tasks.engines.manifest import VARIANT_ARTIFACT, VariantManifest
+from tasks.engines.manifest import VARIANT_ARTIFACT, VariantManifest, verify_variant
 from tasks.errors import RegistryError
+from tasks.failpoints import failpoint
 
 # What every registered model needs to load and serve through its Runtime, pinned to this environment's
 # versions: MLflow's scoring server, the tokenizer and both engines (so versions share one serving environment).
@@ -62,6 +63,9 @@ def register_variant(
     from mlflow import MlflowClient
     from mlflow.models import infer_signature
 
+    verify_variant(
+        variant_dir, f"variant {manifest.name}"
+    )  # never register bytes that are not what was measured
     client = MlflowClient()
     for existing in _versions(client, model_name):
         if _same_model(existing.tags, manifest):
@@ -91,6 +95,7 @@ def register_variant(
         "llmopt.data_hash": manifest.data_hash,
     }
     version = mlflow.register_model(info.model_uri, model_name, tags=all_tags)
+    failpoint("register")  # tests: SIGKILL with the version registered, no alias set yet
     client.update_model_version(model_name, version.version, description=description)
     return Registration(model_name, str(version.version), reused=False)
 
@@ -166,17 +171,18 @@ def bytes_hash(folder: Path) -> str:
 
 def download_verified(model_name: str, version: str, dest: Path) -> Path:
     """`download_version`, then its bytes checked against its manifest and the hash recorded at registration; a
-    mismatch (a damaged upload, a tampered store) is a RegistryError naming both hashes."""
-    from tasks.engines.manifest import read_manifest
+    mismatch (a damaged upload, a tampered store) is a RegistryError naming the version, the file and both
+    hashes."""
+    from tasks.engines.manifest import integrity_problem, read_manifest
 
     folder = download_version(model_name, version, dest)
     recorded = version_tags(model_name, version).get("llmopt.content_hash")
-    actual = bytes_hash(folder)
-    if actual != read_manifest(folder).content_hash or (recorded and actual != recorded):
-        raise RegistryError(
-            f"{model_name} v{version}: downloaded bytes hash to {actual[:12]}, the registry recorded "
-            f"{(recorded or '?')[:12]}; refusing to use them"
-        )
+    manifest = read_manifest(folder)
+    problem = integrity_problem(folder, manifest)
+    if problem is None and recorded and recorded != manifest.content_hash:
+        problem = f"its manifest records {manifest.content_hash[:12]}, the registry recorded {recorded[:12]}"
+    if problem:
+        raise RegistryError(f"{model_name} v{version}: {problem}; refusing to use it")
     return folder
 
 

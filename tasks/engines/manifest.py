@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tasks.config import RuntimeSettings
 from tasks.errors import ModelSourceError
-from tasks.storage import file_sha256
+from tasks.storage import combined_sha256, file_hashes, file_sha256, first_difference
 
 MANIFEST_FILE = "manifest.json"
 VARIANT_ARTIFACT = "variant"  # the artifact under which a registered MLflow model carries its variant folder
@@ -34,6 +34,9 @@ class VariantManifest:
     notes: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
     training: dict[str, list[float]] = field(default_factory=dict)  # per-step losses (distill, heal)
+    files: dict[str, str] = field(
+        default_factory=dict
+    )  # SHA-256 per file (names the damaged one on a mismatch)
 
     def runtime_settings(self) -> RuntimeSettings:
         """The recipe's runtime settings, as validated when the variant was built."""
@@ -59,6 +62,30 @@ def read_manifest(folder: Path) -> VariantManifest:
         raise ModelSourceError(f"{folder}: no {MANIFEST_FILE}; not an llmopt variant folder") from None
     except (ValueError, TypeError) as exc:
         raise ModelSourceError(f"{path}: unreadable manifest ({exc})") from None
+
+
+def verify_variant(folder: Path, label: str | None = None) -> VariantManifest:
+    """The folder's manifest once its bytes match the content hash it records (each file is read once per change:
+    see `tasks.storage.HashCache`); else a ModelSourceError naming the folder, the file and both hashes."""
+    manifest = read_manifest(folder)
+    problem = integrity_problem(folder, manifest)
+    if problem:
+        raise ModelSourceError(f"{label or folder}: {problem}; refusing to use it")
+    return manifest
+
+
+def integrity_problem(folder: Path, manifest: VariantManifest) -> str | None:
+    """None when the folder's files (its manifest excepted) hash to the manifest's content hash, else what
+    differs: the file and both hashes (or both folder hashes, for manifests older than per-file hashes)."""
+    actual = file_hashes(folder, exclude=(MANIFEST_FILE,))
+    combined = combined_sha256(actual)
+    if combined == manifest.content_hash:
+        return None
+    difference = first_difference(actual, manifest.files) if manifest.files else None
+    if difference is None:
+        return f"its files hash to {combined[:12]}, its manifest recorded {manifest.content_hash[:12]}"
+    name, now, then = difference
+    return f"{name} hashes to {now[:12]}, the manifest recorded {then[:12]}"
 
 
 def same_tokenizer(folder: Path, other: Path) -> bool:

@@ -77,12 +77,41 @@ def read_local(path: Path, text_column: str) -> list[str]:
     if not path.exists():
         raise DataValidationError(f"data.source: {path} does not exist")
     if path.is_file() and path.suffix == ".jsonl":
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [_json_row(path, number, line) for number, line in enumerate(_utf8(path).splitlines(), 1)]
+        rows = [row for row in rows if row is not None]
         if rows and text_column not in rows[0]:
             raise DataValidationError(f"data.text_column: {path} rows have no {text_column!r} field")
         return [str(row[text_column]) for row in rows]
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
-    return [p.read_text(errors="replace") for p in files]
+    return [_utf8(p) for p in local_text_files(path)]
+
+
+def local_text_files(path: Path) -> list[Path]:
+    """The corpus files of a local source: the file itself, or the text files in the folder (recursively)."""
+    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
+
+
+def _utf8(path: Path) -> str:
+    """A corpus file's text; binary or otherwise non-UTF-8 bytes name the file and where they start."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataValidationError(
+            f"data.source: {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            "convert it or move it out of the corpus"
+        ) from None
+
+
+def _json_row(path: Path, number: int, line: str) -> dict | None:
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        raise DataValidationError(f"data.source: {path} line {number} is not JSON ({exc})") from None
+    if not isinstance(row, dict):
+        raise DataValidationError(f"data.source: {path} line {number} is not a JSON object")
+    return row
 
 
 def _read_hub_dataset(name: str, text_column: str) -> list[str]:

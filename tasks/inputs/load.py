@@ -100,6 +100,25 @@ def _check_local_folder(folder: Path) -> None:
         )
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ModelSourceError(f"model.source: {folder} holds no weights (*.safetensors or *.bin)")
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelSourceError(f"model.source: {folder / 'config.json'} is not valid JSON ({exc})") from None
+    for weights in sorted(folder.glob("*.safetensors")):  # the header only: cheap, and catches truncation
+        _check_safetensors_header(weights)
+
+
+def _check_safetensors_header(weights: Path) -> None:
+    """A safetensors file whose header cannot be read, or whose tensors run past its end, is named."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(weights, framework="numpy") as handle:
+            handle.keys()
+    except (SafetensorError, OSError) as exc:
+        raise ModelSourceError(
+            f"model.source: {weights} is not a readable safetensors file ({exc})"
+        ) from None
 
 
 def _convert_gguf(gguf: Path, dest: Path) -> None:
@@ -121,6 +140,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 def _save_plain(name_or_path: str, dest: Path, revision: str | None) -> None:
     """Load a hub id or local folder as fp32 (never remote code) and save it as safetensors + tokenizer."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -128,7 +148,7 @@ def _save_plain(name_or_path: str, dest: Path, revision: str | None) -> None:
             name_or_path, revision=revision, dtype=torch.float32, trust_remote_code=False
         )
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=False)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(f"model.source: cannot load {name_or_path!r}: {first_line}") from exc
     model.save_pretrained(dest)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tasks.config import BenchmarkConfig
 from tasks.engines import Runtime, load_runtime
+from tasks.failpoints import failpoint
 
 
 @dataclass(frozen=True)
@@ -298,8 +299,13 @@ def benchmark_in_fresh_process(
     folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int
 ) -> BenchmarkResult:
     """Run `benchmark_variant` in a newly spawned interpreter and return its result."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        result = pool.submit(_benchmark_as_dict, str(folder), cfg.model_dump(), prompt_text, threads).result()
+    from tasks.quiet import output_to_log_file
+
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=output_to_log_file) as pool:
+        future = pool.submit(_benchmark_as_dict, str(folder), cfg.model_dump(), prompt_text, threads)
+        failpoint("benchmark")  # tests: SIGKILL while the benchmark process runs
+        result = future.result()
     result["batches"] = [BatchSpeed(**batch) for batch in result["batches"]]
     return BenchmarkResult(**result)
 

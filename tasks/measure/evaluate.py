@@ -18,6 +18,7 @@ from tasks.config import EvaluateConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import DataValidationError
+from tasks.failpoints import failpoint
 from tasks.storage import code_sha256, staged_file
 
 # What an evaluation's numbers depend on besides the bytes and the text: this module and every engine.
@@ -239,5 +240,6 @@ def evaluate_or_reuse(
     if previous is not None:
         return previous, True
     evaluation = evaluate_variant(load_runtime(folder, threads), texts, cfg, reference, progress)
+    failpoint("evaluate")  # tests: SIGKILL with the evaluation measured, not yet saved
     save_evaluation(saved, key, evaluation)
     return evaluation, False

@@ -162,6 +162,27 @@ def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(tiny_base, vari
     assert load_runtime(folder, threads=1).score([[1, 2, 3]])[0][1] == 2
 
 
+def test_a_variant_damaged_after_its_build_is_refused_naming_the_file_and_both_hashes(tiny_base, tmp_path):
+    import re
+
+    from tasks.errors import ModelSourceError
+
+    folder = tmp_path / "bf16"
+    build_variant("bf16", VariantConfig.model_validate(RECIPES["bf16"]), tiny_base, "data-hash", folder)
+    load_runtime(folder, threads=1)
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)  # same size: only the content hash can tell
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelSourceError) as refused:
+        load_runtime(folder, threads=1)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{folder}: model.safetensors hashes to ")
+    assert re.search(
+        r"hashes to [0-9a-f]{12}, the manifest recorded [0-9a-f]{12}; refusing to use it$", message
+    )
+
+
 def test_uniform_model_has_perplexity_equal_to_vocabulary_size(variants, tmp_path):
     """With zero logits every next token has probability 1/V, so perplexity must be exactly V."""
     runtime = load_runtime(variants["baseline"], threads=1)
