@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -23,7 +22,10 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 ParamsOption = Annotated[Path, typer.Option("--params", "-p", help="Pipeline settings (YAML).")]
-DebugOption = Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")]
+DebugOption = Annotated[
+    bool,
+    typer.Option("--debug", help="Show everything on the console: library logs, Prefect's, full tracebacks."),
+]
 
 
 def main() -> None:
@@ -35,7 +37,7 @@ def main() -> None:
 def run(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Run the whole pipeline: load → optimize → evaluate → benchmark → select → register → promote."""
     with _user_errors(debug):
-        config, root = _setup_flow_run(params, debug)
+        config, root = _setup_flow_run(params, debug, "run")
         from flows.pipeline import pipeline_flow
 
         outcome = pipeline_flow(config, root)
@@ -64,7 +66,7 @@ def promote(
         if _current_production(config, root, version) == version:
             console.print(f"production is already v{version}; nothing to do")
             return
-        config, root = _setup_flow_run(params, debug)
+        config, root = _setup_flow_run(params, debug, "promote")
         from flows.pipeline import promote_flow
 
         outcome = promote_flow(config, root, version)
@@ -168,8 +170,6 @@ def _print_outcome(outcome, last_line: bool = True) -> None:
         console.print(line, soft_wrap=True, highlight=False, markup=False)
     if last_line:
         console.print(outcome.summary(), soft_wrap=True, highlight=False)
-    # Prefect announces the temporary server's shutdown at exit; the verdict above is the line users need last.
-    logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
 @app.command()
@@ -190,7 +190,7 @@ def bench(
     """Benchmark all variants side by side (batch sizes, TTFT by prompt length, latency percentiles, roofline),
     repeated `--trials` times; writes .llmopt/bench/ (table, CSV, plots, bench.json) and logs an MLflow run."""
     with _user_errors(debug):
-        config, root = _setup_flow_run(params, debug)
+        config, root = _setup_flow_run(params, debug, "bench")
         from flows.bench import bench_flow
 
         outcome = bench_flow(config, root, trials, compare.resolve() if compare else None)
@@ -207,7 +207,7 @@ def bench(
 def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Materialize the base model folder and the validated calibration/evaluation splits."""
     with _user_errors(debug):
-        config, root = _setup_flow_run(params, debug)
+        config, root = _setup_flow_run(params, debug, "prepare")
         from flows.pipeline import prepare_flow
 
         base, data = prepare_flow(config, root)
@@ -431,25 +431,28 @@ def schedule(
 
 def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
     """Prefect pointed at the Prefect server (before Prefect is first imported: it reads its settings once), the
-    pre-flight checks, then the services up."""
+    pre-flight checks (the schedule's too), then the services up."""
     from flows.services import prefect_api_url, start
 
     os.environ["PREFECT_API_URL"] = prefect_api_url(load_config(params))
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
-    config, root = _setup_flow_run(params, debug)
-    from flows.schedule import check_schedule  # imports Prefect: only now
-
-    check_schedule(config)
+    config, root = _setup_flow_run(params, debug, "schedule", extra_checks=(_check_schedule,))
     _each_service(config, params, start)
     return config, root
+
+
+def _check_schedule(config: Config) -> None:
+    from flows.schedule import (
+        check_schedule,  # imports Prefect: only once its settings are in the environment
+    )
+
+    check_schedule(config)
 
 
 def _setup(params: Path, debug: bool) -> tuple[Config, Path]:
     config = load_config(params)
     root = params.resolve().parent
     _configure_environment(root / config.project.workdir, debug)
-    if not debug:
-        _install_traceback_filter()
     return config, root
 
 
@@ -470,32 +473,24 @@ def _configure_environment(workdir: Path, debug: bool) -> None:
         transformers_logging.disable_progress_bar()
 
 
-def _setup_flow_run(params: Path, debug: bool) -> tuple[Config, Path]:
-    """Config, the pre-flight checks (all of them, before Prefect starts), and Prefect's home folder."""
+def _setup_flow_run(params: Path, debug: bool, command: str, extra_checks=()) -> tuple[Config, Path]:
+    """Config, the pre-flight checks (all of them, before Prefect starts), Prefect's home folder, and (unless
+    --debug) the console filtered, everything kept in `.llmopt/logs/<command>-<time>.log`."""
     config, root = _setup(params, debug)
     from tasks.preflight import preflight
 
-    preflight(config, root)
+    preflight(config, root, extra_checks)
     # Prefect's embedded server needs its home folder to exist before it opens its database there.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    if not debug:
+        from flows.logs import route_logs
+
+        global _log_file
+        _log_file = route_logs(root / config.project.workdir, command)
     return config, root
 
 
-class _HideUserErrorTracebacks(logging.Filter):
-    """Prefect logs task failures with tracebacks; for LlmoptError the one-line message is the whole story."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], LlmoptError):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def _install_traceback_filter() -> None:
-    import prefect.main  # noqa: F401  (installs Prefect's logging handlers; filter them afterwards)
-
-    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
-        for handler in logging.getLogger(name).handlers:
-            handler.addFilter(_HideUserErrorTracebacks())
+_log_file: Path | None = None  # this command's full log (set once the pre-flight checks passed)
 
 
 class _user_errors:
@@ -509,6 +504,12 @@ class _user_errors:
 
     def __exit__(self, kind, exc, tb) -> bool:
         if isinstance(exc, LlmoptError) and not self.debug:
+            if _log_file is not None:
+                console.print(
+                    f"[dim]full log: {_log_file} (--debug shows it all here)[/]",
+                    highlight=False,
+                    soft_wrap=True,
+                )
             console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code)
         return False
