@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -503,6 +504,14 @@ class _user_errors:
         return None
 
     def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, LlmoptError) and not self.debug and _log_file is not None:
+            from tasks.report.tracking import tracking_unreachable
+
+            story = tracking_unreachable(exc)  # a registry that vanished mid-run is the user's to restart
+            if story:
+                with _log_file.open("a") as log:  # the full story stays in the log
+                    log.write("".join(traceback.format_exception(exc)))
+                exc = RegistryError(story)
         if isinstance(exc, LlmoptError) and not self.debug:
             if _log_file is not None:
                 console.print(

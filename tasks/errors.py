@@ -40,3 +40,7 @@ class ComparisonError(LlmoptError):
 
 class ServiceError(LlmoptError):
     """A service llmopt manages (the Prefect server, …) did not start, stop or answer."""
+
+
+class StorageError(LlmoptError):
+    """The disk cannot hold what a stage writes (full, or over quota); nothing half-written is kept."""

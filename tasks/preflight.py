@@ -124,9 +124,10 @@ def check_disk_space(config: Config, root: Path) -> None:
         return
     missing = [name for name in config.variants if not (variants / name / "manifest.json").is_file()]
     needed = folder_size(base) * len(missing)
-    free = shutil.disk_usage(workdir).free
+    where = variants if variants.is_dir() else workdir  # the variants folder may be a mount of its own
+    free = shutil.disk_usage(where).free
     if needed > free:
         raise ConfigError(
-            f"disk: {len(missing)} variants to build need about {needed / 1e9:.1f} GB in {workdir}, "
+            f"disk: {len(missing)} variants to build need about {needed / 1e9:.1f} GB in {where}, "
             f"{free / 1e9:.1f} GB free"
         )

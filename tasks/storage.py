@@ -4,6 +4,7 @@ keeps an interrupted run from leaving a half-written folder or file behind under
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib.util
 import os
@@ -11,6 +12,8 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from tasks.errors import StorageError
 
 _CHUNK = 8 * 1024 * 1024
 _RACY_NS = 2_000_000_000
@@ -158,17 +161,37 @@ def staging_path(dest: Path) -> Path:
 @contextlib.contextmanager
 def staged_folder(dest: Path) -> Iterator[Path]:
     """Yield an empty `<dest>.partial` folder to write into; when the body succeeds it replaces `dest`, when it
-    fails (or is interrupted) it is removed. `dest` is never seen half-written."""
+    fails (or is interrupted) it is removed. `dest` is never seen half-written. A full disk is a StorageError
+    naming `dest` (libraries report it in many shapes: OSError, RuntimeError, their own errors)."""
     staging = staging_path(dest)
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     try:
+        staging.mkdir(parents=True)
         yield staging
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if disk_full(exc):
+            free = shutil.disk_usage(dest.parent).free / 1e6
+            raise StorageError(
+                f"{dest}: the disk filled up while writing it ({free:.0f} MB free after removing the partial "
+                f"copy); free space on that disk and run again"
+            ) from exc
         raise
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether an exception (or one it was raised from) says the disk is full or over quota."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 10:
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(current) or "Disk quota exceeded" in str(current):
+            return True
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return False
 
 
 @contextlib.contextmanager

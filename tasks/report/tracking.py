@@ -119,9 +119,33 @@ def parent_run(
         client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
         yield run_id
     except BaseException:
-        client.set_terminated(run_id, "FAILED")
+        with contextlib.suppress(
+            Exception
+        ):  # the store is gone too: the next run marks it KILLED (ghost runs)
+            client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
+
+
+def tracking_unreachable(exc: BaseException) -> str | None:
+    """The one-line story of an MLflow call that failed because the tracking server stopped answering, or None
+    for any other failure."""
+    import mlflow
+
+    current: BaseException | None = exc
+    for _ in range(10):
+        if current is None:
+            return None
+        text = str(current)
+        if any(
+            sign in text for sign in ("Max retries exceeded", "Connection refused", "Failed to establish")
+        ):
+            return (
+                f"tracking.uri: {mlflow.get_tracking_uri()} stopped answering during the run; it stopped before "
+                "promoting anything (start the tracking server and run again)"
+            )
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def process_tags() -> dict[str, str]:
