@@ -39,8 +39,6 @@ def route_logs(workdir: Path, command: str) -> Path:
     import prefect.main  # noqa: F401
     from prefect.logging.formatters import PrefectFormatter
 
-    import flows
-    import serving
     import tasks
 
     folder = workdir / "logs"
@@ -56,7 +54,9 @@ def route_logs(workdir: Path, command: str) -> Path:
             task_run_fmt="%(asctime)s | %(levelname)-7s | task run %(task_run_name)r - %(message)s",
         )
     )
-    own = tuple(str(Path(package.__file__).parent) + os.sep for package in (tasks, flows, serving))
+    # llmopt's packages sit side by side; `serving` is not imported here (it is no pipeline stage's dependency)
+    code = Path(tasks.__file__).parent.parent
+    own = tuple(f"{code / package}{os.sep}" for package in ("tasks", "flows", "serving"))
     console_filter = ConsoleFilter(own)
     loggers = [logging.getLogger()] + [
         logger for logger in logging.root.manager.loggerDict.values() if isinstance(logger, logging.Logger)
