@@ -38,7 +38,13 @@ from tasks.inputs.load import PreparedBase
 from tasks.measure.fingerprint import machine_fingerprint
 from tasks.report.run_report import ReportContext, write_run_report
 from tasks.report.timings import StageClock
-from tasks.report.tracking import DEFAULT_UI, configure_tracking, experiment_url, log_run_report, parent_run
+from tasks.report.tracking import (
+    configure_tracking,
+    experiment_url,
+    log_run_report,
+    parent_run,
+    ui_base,
+)
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,7 @@ def report_run(
     return (
         f"Report: {files[0]} (also in MLflow, run {parent_id[:8]}, reports/)",
         f"Time: {clock.line()}",
-        f"Compare in the MLflow UI (make ui): {experiment_url(DEFAULT_UI, experiment_id)}",
+        f"Compare in the MLflow UI ({ui_base()[1]}): {experiment_url(ui_base()[0], experiment_id)}",
     )
 
 

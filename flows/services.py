@@ -1,12 +1,14 @@
 """Long-running services llmopt starts and stops itself (`llmopt services up|down|status`): each is a script
-under infra/ run in the background, with its log and pid file under project.workdir/services. Today: the Prefect
-server that `llmopt schedule` serves its deployment against; later services join the same list."""
+under infra/ run in the background, with its log and pid file under project.workdir/services: the Prefect server
+that `llmopt schedule` serves its deployment against and, with services.tracking_stack, PostgreSQL, an S3
+endpoint and the MLflow tracking server on both."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -49,11 +51,45 @@ def configured_services(config: Config, root: Path) -> list[Service]:
     if config.services.prefect_database_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = config.services.prefect_database_url
     api = prefect_api_url(config)
-    return [Service("prefect-server", INFRA / "prefect-server.sh", f"{api}/health", env, folder)]
+    services = [Service("prefect-server", INFRA / "prefect-server.sh", f"{api}/health", env, folder)]
+    if not config.services.tracking_stack:
+        return services
+    cfg = config.services
+    ports = {
+        "PGPORT": str(cfg.postgres_port),
+        "S3_PORT": str(cfg.s3_port),
+        "MLFLOW_PORT": str(cfg.mlflow_port),
+    }
+    data = Path(cfg.postgres_data) if cfg.postgres_data else folder / "postgres"
+    return [
+        Service(
+            "postgres",
+            INFRA / "postgres.sh",
+            f"tcp://127.0.0.1:{cfg.postgres_port}",
+            {**ports, "PGDATA": str(data)},
+            folder,
+        ),
+        Service("s3", INFRA / "s3.sh", f"http://127.0.0.1:{cfg.s3_port}/moto-api/", ports, folder),
+        Service(
+            "mlflow-server",
+            INFRA / "mlflow-server.sh",
+            f"http://127.0.0.1:{cfg.mlflow_port}/health",
+            ports,
+            folder,
+        ),
+        *services,
+    ]
 
 
 def healthy(service: Service) -> bool:
-    """Whether the service answers its health URL now."""
+    """Whether the service answers its health URL now (tcp://host:port: accepts connections)."""
+    if service.health_url.startswith("tcp://"):
+        host, port = service.health_url.removeprefix("tcp://").rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return True
+        except OSError:
+            return False
     try:
         return httpx.get(service.health_url, timeout=2).status_code == 200
     except httpx.HTTPError:

@@ -416,6 +416,17 @@ class ServicesConfig(Strict):
     # Prefect's own database: SQLite under project.workdir by default, or e.g.
     # postgresql+asyncpg://user:password@host:5432/prefect
     prefect_database_url: str | None = None
+    # The tracking stack on this machine, started by `llmopt services up` beside the Prefect server: PostgreSQL
+    # (MLflow's database), an S3 endpoint (moto, in memory: for tests and demos) and the MLflow tracking server
+    # on both. Point llmopt at it with tracking.uri: http://127.0.0.1:<mlflow_port> and tracking.artifacts:
+    # mlflow-artifacts:/llmopt. Off: MLflow runs embedded (sqlite:///mlflow.db + ./mlruns).
+    tracking_stack: bool = False
+    postgres_port: Annotated[int, Field(ge=1, le=65535)] = 5433
+    s3_port: Annotated[int, Field(ge=1, le=65535)] = 5002
+    mlflow_port: Annotated[int, Field(ge=1, le=65535)] = 5001
+    # PostgreSQL's data folder (default project.workdir/services/postgres); as root it runs as the postgres user,
+    # which must be able to reach this folder
+    postgres_data: str | None = None
 
 
 class Config(Strict):

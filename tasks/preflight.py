@@ -14,8 +14,9 @@ from tasks.errors import ConfigError, LlmoptError
 
 # MLflow stores llmopt has been run against; anything else is refused before work starts.
 TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql")
-ARTIFACT_SCHEMES = ("", "file", "s3")
+ARTIFACT_SCHEMES = ("", "file", "s3", "mlflow-artifacts")  # mlflow-artifacts: proxied by the tracking server
 REACH_TIMEOUT_S = 3.0
+LOCAL = ("127.0.0.1", "localhost", "::1")
 
 
 class PreflightError(ConfigError):
@@ -87,7 +88,12 @@ def check_tracking(cfg: TrackingConfig, root: Path) -> None:
     artifact_scheme = urlparse(cfg.artifacts).scheme
     if artifact_scheme not in ARTIFACT_SCHEMES:
         raise ConfigError(
-            f"tracking.artifacts: scheme {artifact_scheme}:// is not supported; use a folder or s3://"
+            f"tracking.artifacts: scheme {artifact_scheme}:// is not supported; use a folder, s3:// or "
+            "mlflow-artifacts:/ (stored by the tracking server)"
+        )
+    if artifact_scheme == "mlflow-artifacts" and scheme not in ("http", "https"):
+        raise ConfigError(
+            "tracking.artifacts: mlflow-artifacts:/ needs a tracking server (tracking.uri: http://…)"
         )
 
 
@@ -98,7 +104,12 @@ def _reachable(key: str, uri: str) -> None:
     try:
         socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
     except OSError as exc:
-        raise ConfigError(f"{key}: nothing answers at {host}:{port} ({exc.strerror or exc})") from None
+        hint = (
+            " (a local tracking stack: services.tracking_stack, `llmopt services up`)"
+            if host in LOCAL
+            else ""
+        )
+        raise ConfigError(f"{key}: nothing answers at {host}:{port} ({exc.strerror or exc}){hint}") from None
 
 
 def check_dvc_remote(root: Path) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from tasks.config import Config, TrackingConfig
 from tasks.decide.select import Leaderboard
@@ -34,7 +35,10 @@ def configure_tracking(cfg: TrackingConfig, root: Path) -> str:
     mlflow.set_registry_uri(uri)
     experiment = mlflow.get_experiment_by_name(cfg.experiment)
     if experiment is None:
-        artifacts = cfg.artifacts if "://" in cfg.artifacts else (root / cfg.artifacts).resolve().as_uri()
+        stored_elsewhere = (
+            len(urlparse(cfg.artifacts).scheme) > 1
+        )  # s3://, mlflow-artifacts:/, file:// (not C:)
+        artifacts = cfg.artifacts if stored_elsewhere else (root / cfg.artifacts).resolve().as_uri()
         experiment_id = mlflow.create_experiment(cfg.experiment, artifact_location=artifacts, tags=VIEW_TAGS)
     else:
         experiment_id = experiment.experiment_id
@@ -86,6 +90,17 @@ def log_run_report(parent_run_id: str, files: list[Path], metrics: dict[str, flo
         client.log_artifact(parent_run_id, str(path), artifact_path="reports")
     for key, value in metrics.items():
         client.log_metric(parent_run_id, key, value)
+
+
+def ui_base() -> tuple[str, str]:
+    """(where the MLflow UI of the current store is, how to open it): the tracking server itself when there is
+    one, else `make ui` on the embedded store."""
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()
+    return (
+        (uri, "the tracking server") if uri.startswith(("http://", "https://")) else (DEFAULT_UI, "make ui")
+    )
 
 
 def experiment_url(ui: str, experiment_id: str) -> str:

@@ -26,9 +26,16 @@ def project_env(root: Path) -> dict[str, str]:
     return env
 
 
-def run(root: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess:
+def run(
+    root: Path, *args: str, check: bool = True, timeout: int = 900, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        args, cwd=root, env=project_env(root), capture_output=True, text=True, timeout=timeout
+        args,
+        cwd=root,
+        env={**project_env(root), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if check and result.returncode != 0:
         raise AssertionError(

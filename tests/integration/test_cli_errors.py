@@ -184,6 +184,10 @@ CATALOGUE = {
     "unsupported tracking scheme": Case(
         setting("tracking", uri="ftp://example.org/mlflow"), "tracking.uri: scheme ftp:// is not supported"
     ),
+    "server-stored artifacts without a server": Case(
+        setting("tracking", artifacts="mlflow-artifacts:/llmopt"),
+        "tracking.artifacts: mlflow-artifacts:/ needs a tracking server",
+    ),
     "tracking server not answering": Case(unanswered_tracking, "tracking.uri: nothing answers at 127.0.0.1:"),
     "bad --concurrency": Case(
         lambda p, t: None,
