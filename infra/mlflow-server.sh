@@ -25,4 +25,4 @@ for bucket in {"${MLFLOW_BUCKET}", "${DVC_BUCKET}"} - existing:
     s3.create_bucket(Bucket=bucket)
 PY
 exec mlflow server --backend-store-uri "$MLFLOW_BACKEND_STORE_URI" --artifacts-destination "$MLFLOW_ARTIFACTS_DESTINATION" \
-  --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1
+  --host "${MLFLOW_HOST:-127.0.0.1}" --port "$MLFLOW_PORT" --workers 1

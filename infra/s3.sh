@@ -4,4 +4,4 @@
 # tracking at real S3 or MinIO for that). By hand:  S3_PORT=5002 infra/s3.sh
 set -euo pipefail
 : "${S3_PORT:=5002}"
-exec moto_server -H 127.0.0.1 -p "$S3_PORT"
+exec moto_server -H "${S3_HOST:-127.0.0.1}" -p "$S3_PORT"
