@@ -437,7 +437,7 @@ def _setup_scheduled(params: Path, debug: bool) -> tuple[Config, Path]:
 
     os.environ["PREFECT_API_URL"] = prefect_api_url(load_config(params))
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
-    config, root = _setup_flow_run(params, debug, "schedule", extra_checks=(_check_schedule,))
+    config, root = _setup_flow_run(params, debug, "schedule", (_check_schedule,), starts_services=True)
     _each_service(config, params, start)
     return config, root
 
@@ -451,6 +451,8 @@ def _check_schedule(config: Config) -> None:
 
 
 def _setup(params: Path, debug: bool) -> tuple[Config, Path]:
+    global _log_file
+    _log_file = None  # set again once this command's pre-flight checks pass
     config = load_config(params)
     root = params.resolve().parent
     _configure_environment(root / config.project.workdir, debug)
@@ -474,13 +476,15 @@ def _configure_environment(workdir: Path, debug: bool) -> None:
         transformers_logging.disable_progress_bar()
 
 
-def _setup_flow_run(params: Path, debug: bool, command: str, extra_checks=()) -> tuple[Config, Path]:
+def _setup_flow_run(
+    params: Path, debug: bool, command: str, extra_checks=(), starts_services: bool = False
+) -> tuple[Config, Path]:
     """Config, the pre-flight checks (all of them, before Prefect starts), Prefect's home folder, and (unless
     --debug) the console filtered, everything kept in `.llmopt/logs/<command>-<time>.log`."""
     config, root = _setup(params, debug)
     from tasks.preflight import preflight
 
-    preflight(config, root, extra_checks)
+    preflight(config, root, extra_checks, starts_services)
     # Prefect's embedded server needs its home folder to exist before it opens its database there.
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     if not debug:

@@ -5,13 +5,14 @@ tracebacks. So the last line a user reads is llmopt's verdict or its error, not 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import datetime
 from pathlib import Path
 
 LOG_ENV = "LLMOPT_LOG_FILE"  # spawned processes (the benchmark) send their own output to the same file
-KEEP_LOGS = 20  # newest log files kept per project
+KEEP_LOGS = 20  # newest log files kept per command
 
 
 class ConsoleFilter(logging.Filter):
@@ -43,8 +44,9 @@ def route_logs(workdir: Path, command: str) -> Path:
 
     folder = workdir / "logs"
     folder.mkdir(parents=True, exist_ok=True)
-    for old in sorted(folder.glob("*.log"), key=lambda f: f.stat().st_mtime)[:-KEEP_LOGS]:
-        old.unlink(missing_ok=True)
+    for old in sorted(folder.glob(f"{command}-*.log"))[:-KEEP_LOGS]:  # names sort by time
+        with contextlib.suppress(OSError):  # another command may be pruning the same folder
+            old.unlink()
     path = folder / f"{command}-{datetime.now():%Y%m%d-%H%M%S}.log"
     file_handler = logging.FileHandler(path, encoding="utf-8")
     file_handler.setFormatter(

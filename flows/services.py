@@ -44,6 +44,18 @@ def prefect_api_url(config: Config) -> str:
     return f"http://127.0.0.1:{config.services.prefect_port}/api"
 
 
+def postgres_data(config: Config, root: Path) -> Path:
+    """The tracking stack's PostgreSQL data folder (services.postgres_data, default project.workdir/services)."""
+    configured = config.services.postgres_data
+    return Path(configured) if configured else root / config.project.workdir / "services" / "postgres"
+
+
+def postgres_password_file(config: Config, root: Path) -> Path:
+    """Where infra/postgres.sh keeps the generated superuser password of the tracking stack (mode 600)."""
+    data = postgres_data(config, root)
+    return data.with_name(data.name + ".password")
+
+
 def configured_services(config: Config, root: Path) -> list[Service]:
     """The services this configuration needs, in start order."""
     folder = root / config.project.workdir / "services"
@@ -55,26 +67,21 @@ def configured_services(config: Config, root: Path) -> list[Service]:
     if not config.services.tracking_stack:
         return services
     cfg = config.services
-    ports = {
+    env = {
         "PGPORT": str(cfg.postgres_port),
         "S3_PORT": str(cfg.s3_port),
         "MLFLOW_PORT": str(cfg.mlflow_port),
+        "PGDATA": str(postgres_data(config, root)),
+        "PGPASSWORD_FILE": str(postgres_password_file(config, root)),
     }
-    data = Path(cfg.postgres_data) if cfg.postgres_data else folder / "postgres"
     return [
-        Service(
-            "postgres",
-            INFRA / "postgres.sh",
-            f"tcp://127.0.0.1:{cfg.postgres_port}",
-            {**ports, "PGDATA": str(data)},
-            folder,
-        ),
-        Service("s3", INFRA / "s3.sh", f"http://127.0.0.1:{cfg.s3_port}/moto-api/", ports, folder),
+        Service("postgres", INFRA / "postgres.sh", f"tcp://127.0.0.1:{cfg.postgres_port}", env, folder),
+        Service("s3", INFRA / "s3.sh", f"http://127.0.0.1:{cfg.s3_port}/moto-api/", env, folder),
         Service(
             "mlflow-server",
             INFRA / "mlflow-server.sh",
             f"http://127.0.0.1:{cfg.mlflow_port}/health",
-            ports,
+            env,
             folder,
         ),
         *services,

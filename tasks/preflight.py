@@ -23,9 +23,12 @@ class PreflightError(ConfigError):
     """One or more things a run needs are missing or unreachable (all of them named in one message)."""
 
 
-def preflight(config: Config, root: Path, extra: Sequence[Callable[[Config], None]] = ()) -> None:
+def preflight(
+    config: Config, root: Path, extra: Sequence[Callable[[Config], None]] = (), starts_services: bool = False
+) -> None:
     """Run every check (and the command's `extra` ones); raise one PreflightError naming all problems, or return
-    when the run can start."""
+    when the run can start. `starts_services`: the command starts the configured services itself (`llmopt
+    schedule`), so the tracking stack's server is not expected to answer yet."""
     from tasks.inputs.load import check_model_source
     from tasks.targets import check_target
 
@@ -33,7 +36,9 @@ def preflight(config: Config, root: Path, extra: Sequence[Callable[[Config], Non
         lambda: check_target(config),
         lambda: check_model_source(config.model),
         lambda: check_data_source(config.data, root / config.project.downloads),
-        lambda: check_tracking(config.tracking, root),
+        lambda: check_tracking(
+            config.tracking, root, reach=not (starts_services and config.services.tracking_stack)
+        ),
         lambda: check_dvc_remote(root),
         lambda: check_disk_space(config, root),
     ]
@@ -76,14 +81,14 @@ def check_data_source(cfg: DataConfig, downloads: Path) -> None:
         read_local(Path(cfg.source), cfg.text_column)  # every file decodes (one bad file is named)
 
 
-def check_tracking(cfg: TrackingConfig, root: Path) -> None:
-    """The tracking/registry store's scheme is one llmopt supports and, for a server, it answers."""
+def check_tracking(cfg: TrackingConfig, root: Path, reach: bool = True) -> None:
+    """The tracking/registry store's scheme is one llmopt supports and, for a server, it answers (`reach`)."""
     scheme = urlparse(cfg.uri).scheme
     if scheme not in TRACKING_SCHEMES:
         raise ConfigError(
             f"tracking.uri: scheme {scheme or '(none)'}:// is not supported; use one of {', '.join(TRACKING_SCHEMES)}"
         )
-    if scheme in ("http", "https", "postgresql", "mysql"):
+    if reach and scheme in ("http", "https", "postgresql", "mysql"):
         _reachable("tracking.uri", cfg.uri)
     artifact_scheme = urlparse(cfg.artifacts).scheme
     if artifact_scheme not in ARTIFACT_SCHEMES:

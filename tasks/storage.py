@@ -202,7 +202,11 @@ def staged_file(dest: Path) -> Iterator[Path]:
     staging = staging_path(dest)
     try:
         yield staging
-    except BaseException:
+    except BaseException as exc:
         staging.unlink(missing_ok=True)
+        if disk_full(exc):
+            raise StorageError(
+                f"{dest}: the disk filled up while writing it; free space and run again"
+            ) from exc
         raise
     os.replace(staging, dest)

@@ -78,21 +78,31 @@ def read_local(path: Path, text_column: str) -> list[str]:
         raise DataValidationError(f"data.source: {path} does not exist")
     if path.is_file() and path.suffix == ".jsonl":
         rows = [_json_row(path, number, line) for number, line in enumerate(_utf8(path).splitlines(), 1)]
-        rows = [row for row in rows if row is not None]
-        if rows and text_column not in rows[0]:
-            raise DataValidationError(f"data.text_column: {path} rows have no {text_column!r} field")
-        return [str(row[text_column]) for row in rows]
+        rows = [(number, row) for number, row in enumerate(rows, 1) if row is not None]
+        missing = [number for number, row in rows if text_column not in row]
+        if missing:
+            raise DataValidationError(
+                f"data.text_column: {path} line {missing[0]} has no {text_column!r} field"
+                + (f" (nor {len(missing) - 1} more lines)" if len(missing) > 1 else "")
+            )
+        return [str(row[text_column]) for _, row in rows]
     return [_utf8(p) for p in local_text_files(path)]
 
 
 def local_text_files(path: Path) -> list[Path]:
     """The corpus files of a local source: the file itself, or the text files in the folder (recursively)."""
-    return [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES and p.is_file())
 
 
 def _utf8(path: Path) -> str:
-    """A corpus file's text; binary or otherwise non-UTF-8 bytes name the file and where they start."""
-    data = path.read_bytes()
+    """A corpus file's text; an unreadable file, or binary or otherwise non-UTF-8 bytes, name the file (and where
+    the bad bytes start)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataValidationError(f"data.source: {path} cannot be read ({exc.strerror or exc})") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -144,20 +144,24 @@ def parent_run(
 
 def tracking_unreachable(exc: BaseException) -> str | None:
     """The one-line story of an MLflow call that failed because the tracking server stopped answering, or None
-    for any other failure."""
+    for any other failure (only for a tracking server, and only when the error names its address)."""
     import mlflow
 
+    uri = mlflow.get_tracking_uri()
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https") or parsed.hostname is None:
+        return None
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
     current: BaseException | None = exc
     for _ in range(10):
         if current is None:
             return None
         text = str(current)
-        if any(
-            sign in text for sign in ("Max retries exceeded", "Connection refused", "Failed to establish")
-        ):
+        about_the_server = f"{parsed.hostname}:{port}" in text or f"port={port}" in text
+        if about_the_server and any(sign in text for sign in ("Max retries exceeded", "Connection refused")):
             return (
-                f"tracking.uri: {mlflow.get_tracking_uri()} stopped answering during the run; it stopped before "
-                "promoting anything (start the tracking server and run again)"
+                f"tracking.uri: {uri} stopped answering, and the run stopped there (start the tracking server "
+                "and run again: the next run marks this one KILLED; `llmopt history` shows whether production moved)"
             )
         current = current.__cause__ or current.__context__
     return None

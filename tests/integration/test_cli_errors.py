@@ -35,15 +35,15 @@ def run_failing(root: Path, *args: str) -> tuple[int, str]:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    """Every file under the project (the linked code excepted) with its size and modification time."""
-    files = {}
-    for folder, _dirs, names in os.walk(root):  # does not follow the symlinked packages
-        for name in names:
+    """Every file and folder under the project (the linked code excepted) with its size and modification time."""
+    entries = {}
+    for folder, dirs, names in os.walk(root):  # does not follow the symlinked packages
+        for name in names + dirs:
             path = Path(folder) / name
             if not path.is_symlink():
                 stat = path.stat()
-                files[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
-    return files
+                entries[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return entries
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,9 @@ CATALOGUE = {
         jsonl_corpus(b'{"text": "one passage"}\n{"text": broken\n'), "corpus.jsonl line 2 is not JSON"
     ),
     "corpus JSONL without the text column": Case(
-        jsonl_corpus(b'{"body": "one passage"}\n'), "data.text_column: ", code=2
+        jsonl_corpus(b'{"text": "one passage"}\n{"body": "another"}\n'),
+        "corpus.jsonl line 2 has no 'text' field",
+        code=2,
     ),
 }
 

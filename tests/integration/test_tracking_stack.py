@@ -78,7 +78,14 @@ def test_the_pipeline_runs_on_postgresql_and_s3_by_configuration_alone(stack_pro
     assert f"http://127.0.0.1:{ports['mlflow_port']}/#/experiments/" in result.stdout + result.stderr
     assert not (root / "mlflow.db").exists() and not (root / "mlruns").exists()  # nothing embedded
 
-    with psycopg.connect(f"postgresql://postgres@127.0.0.1:{ports['postgres_port']}/mlflow") as db:
+    password_file = Path(ports["postgres_data"] + ".password")
+    assert oct(password_file.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(psycopg.OperationalError):  # no login without the password
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{ports['postgres_port']}/mlflow", connect_timeout=5)
+    login = (
+        f"postgresql://postgres:{password_file.read_text().strip()}@127.0.0.1:{ports['postgres_port']}/mlflow"
+    )
+    with psycopg.connect(login) as db:
         statuses = dict(db.execute("select status, count(*) from runs group by status").fetchall())
         kinds = db.execute("select value from tags where key = 'llmopt.kind'").fetchall()
         versions = db.execute("select name, version from model_versions").fetchall()

@@ -19,7 +19,9 @@ def compose() -> dict:
 
 def host_port(service: dict) -> int:
     (mapping,) = service["ports"]
-    return int(mapping.split(":")[0])
+    address, host, _ = mapping.split(":")
+    assert address == "127.0.0.1"  # nothing published beyond this machine
+    return int(host)
 
 
 def test_compose_names_the_native_stacks_services_on_the_same_host_ports_and_scripts(tmp_path):
