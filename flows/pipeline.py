@@ -215,10 +215,11 @@ def report_run(
     except Exception as exc:  # the decision is made and recorded; a report that fails must not undo the run
         get_run_logger().warning(f"run report not written: {exc}")
         files = [Path(f"(not written: {exc})")]
+    ui, how = ui_base()
     return (
         f"Report: {files[0]} (also in MLflow, run {parent_id[:8]}, reports/)",
         f"Time: {clock.line()}",
-        f"Compare in the MLflow UI ({ui_base()[1]}): {experiment_url(ui_base()[0], experiment_id)}",
+        f"Compare in the MLflow UI ({how}): {experiment_url(ui, experiment_id)}",
     )
 
 

@@ -67,7 +67,7 @@ def configured_services(config: Config, root: Path) -> list[Service]:
     if not config.services.tracking_stack:
         return services
     cfg = config.services
-    env = {
+    stack_env = {
         "PGPORT": str(cfg.postgres_port),
         "S3_PORT": str(cfg.s3_port),
         "MLFLOW_PORT": str(cfg.mlflow_port),
@@ -75,13 +75,13 @@ def configured_services(config: Config, root: Path) -> list[Service]:
         "PGPASSWORD_FILE": str(postgres_password_file(config, root)),
     }
     return [
-        Service("postgres", INFRA / "postgres.sh", f"tcp://127.0.0.1:{cfg.postgres_port}", env, folder),
-        Service("s3", INFRA / "s3.sh", f"http://127.0.0.1:{cfg.s3_port}/moto-api/", env, folder),
+        Service("postgres", INFRA / "postgres.sh", f"tcp://127.0.0.1:{cfg.postgres_port}", stack_env, folder),
+        Service("s3", INFRA / "s3.sh", f"http://127.0.0.1:{cfg.s3_port}/moto-api/", stack_env, folder),
         Service(
             "mlflow-server",
             INFRA / "mlflow-server.sh",
             f"http://127.0.0.1:{cfg.mlflow_port}/health",
-            env,
+            stack_env,
             folder,
         ),
         *services,

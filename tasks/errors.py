@@ -1,5 +1,7 @@
 """The one error hierarchy: every user-facing failure is an LlmoptError with an actionable message."""
 
+from collections.abc import Iterator
+
 
 class LlmoptError(Exception):
     """Base of every error llmopt reports to a user in one line (exit code 1)."""
@@ -44,3 +46,13 @@ class ServiceError(LlmoptError):
 
 class StorageError(LlmoptError):
     """The disk cannot hold what a stage writes (full, or over quota); nothing half-written is kept."""
+
+
+def exception_chain(exc: BaseException, limit: int = 10) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from or during (libraries wrap OS and network errors in their own)."""
+    current: BaseException | None = exc
+    for _ in range(limit):
+        if current is None:
+            return
+        yield current
+        current = current.__cause__ or current.__context__

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks.errors import StorageError
+from tasks.errors import StorageError, exception_chain
 
 _CHUNK = 8 * 1024 * 1024
 _RACY_NS = 2_000_000_000
@@ -171,11 +171,7 @@ def staged_folder(dest: Path) -> Iterator[Path]:
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if disk_full(exc):
-            free = shutil.disk_usage(dest.parent).free / 1e6
-            raise StorageError(
-                f"{dest}: the disk filled up while writing it ({free:.0f} MB free after removing the partial "
-                f"copy); free space on that disk and run again"
-            ) from exc
+            raise _disk_full_error(dest) from exc
         raise
     shutil.rmtree(dest, ignore_errors=True)
     staging.rename(dest)
@@ -183,15 +179,20 @@ def staged_folder(dest: Path) -> Iterator[Path]:
 
 def disk_full(exc: BaseException) -> bool:
     """Whether an exception (or one it was raised from) says the disk is full or over quota."""
-    seen = 0
-    current: BaseException | None = exc
-    while current is not None and seen < 10:
-        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(current) or "Disk quota exceeded" in str(current):
-            return True
-        current, seen = current.__cause__ or current.__context__, seen + 1
-    return False
+    return any(
+        (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+        or "No space left on device" in str(e)
+        or "Disk quota exceeded" in str(e)
+        for e in exception_chain(exc)
+    )
+
+
+def _disk_full_error(dest: Path) -> StorageError:
+    free = shutil.disk_usage(dest.parent).free / 1e6
+    return StorageError(
+        f"{dest}: the disk filled up while writing it ({free:.0f} MB free after removing the partial copy); "
+        "free space on that disk and run again"
+    )
 
 
 @contextlib.contextmanager
@@ -205,8 +206,6 @@ def staged_file(dest: Path) -> Iterator[Path]:
     except BaseException as exc:
         staging.unlink(missing_ok=True)
         if disk_full(exc):
-            raise StorageError(
-                f"{dest}: the disk filled up while writing it; free space and run again"
-            ) from exc
+            raise _disk_full_error(dest) from exc
         raise
     os.replace(staging, dest)

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 from tasks.config import Config, TrackingConfig
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
+from tasks.errors import exception_chain
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.report.plots import speed_plot, tradeoff_plot
@@ -35,9 +36,8 @@ def configure_tracking(cfg: TrackingConfig, root: Path) -> str:
     mlflow.set_registry_uri(uri)
     experiment = mlflow.get_experiment_by_name(cfg.experiment)
     if experiment is None:
-        stored_elsewhere = (
-            len(urlparse(cfg.artifacts).scheme) > 1
-        )  # s3://, mlflow-artifacts:/, file:// (not C:)
+        # s3://, mlflow-artifacts:/, file://… are used as given (a one-letter scheme is a Windows drive)
+        stored_elsewhere = len(urlparse(cfg.artifacts).scheme) > 1
         artifacts = cfg.artifacts if stored_elsewhere else (root / cfg.artifacts).resolve().as_uri()
         experiment_id = mlflow.create_experiment(cfg.experiment, artifact_location=artifacts, tags=VIEW_TAGS)
     else:
@@ -134,9 +134,8 @@ def parent_run(
         client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
         yield run_id
     except BaseException:
-        with contextlib.suppress(
-            Exception
-        ):  # the store is gone too: the next run marks it KILLED (ghost runs)
+        # the store may be gone too: then the next run marks this run KILLED (mark_ghost_runs)
+        with contextlib.suppress(Exception):
             client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
@@ -152,18 +151,14 @@ def tracking_unreachable(exc: BaseException) -> str | None:
     if parsed.scheme not in ("http", "https") or parsed.hostname is None:
         return None
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    current: BaseException | None = exc
-    for _ in range(10):
-        if current is None:
-            return None
-        text = str(current)
+    for error in exception_chain(exc):
+        text = str(error)
         about_the_server = f"{parsed.hostname}:{port}" in text or f"port={port}" in text
         if about_the_server and any(sign in text for sign in ("Max retries exceeded", "Connection refused")):
             return (
                 f"tracking.uri: {uri} stopped answering, and the run stopped there (start the tracking server "
                 "and run again: the next run marks this one KILLED; `llmopt history` shows whether production moved)"
             )
-        current = current.__cause__ or current.__context__
     return None
 
 
