@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.stages import measure_variants, prepare_inputs, rank_and_report, workdir
+from flows.stages import benchmark_fingerprint, measure_variants, prepare_inputs, rank_and_report, workdir
 from tasks.config import Config
 from tasks.decide.select import Leaderboard
 from tasks.measure.benchmark import TrialSpread, trial_spread
-from tasks.measure.fingerprint import ensure_comparable, machine_fingerprint
+from tasks.measure.fingerprint import ensure_comparable
 from tasks.report.bench_files import read_previous, spread_metrics, write_bench_files
 from tasks.report.tracking import configure_tracking, parent_run
 
@@ -24,10 +25,10 @@ class BenchOutcome:
     previous: dict | None  # the compared bench.json (same fingerprint), if any
 
 
-@flow(name="llmopt-bench")
+@flow(name="llmopt-bench", task_runner=ThreadPoolTaskRunner(max_workers=1))
 def bench_flow(config: Config, root: Path, trials: int, compare: Path | None = None) -> BenchOutcome:
     """Build (or reuse) and evaluate (or reuse) every variant, then benchmark them all `trials` times."""
-    fingerprint = machine_fingerprint(config.target.threads)
+    fingerprint = benchmark_fingerprint(config)
     previous = read_previous(compare) if compare else None
     if previous is not None:
         ensure_comparable(previous["fingerprint"], fingerprint)  # refuse before spending minutes measuring

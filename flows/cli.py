@@ -39,9 +39,10 @@ def run(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) 
     """Run the whole pipeline: load → optimize → evaluate → benchmark → select → register → promote."""
     with _user_errors(debug):
         config, root = _setup_flow_run(params, debug, "run")
+        from flows.cluster import on_cluster
         from flows.pipeline import pipeline_flow
 
-        outcome = pipeline_flow(config, root)
+        outcome = on_cluster(pipeline_flow, config)(config, root)
         _print_outcome(outcome)
 
 
@@ -68,9 +69,10 @@ def promote(
             console.print(f"production is already v{version}; nothing to do")
             return
         config, root = _setup_flow_run(params, debug, "promote")
+        from flows.cluster import on_cluster
         from flows.pipeline import promote_flow
 
-        outcome = promote_flow(config, root, version)
+        outcome = on_cluster(promote_flow, config)(config, root, version)
         _print_outcome(outcome, last_line=outcome.promoted)
         if not outcome.promoted:
             raise GateError(outcome.summary())  # a refusal exits 1 with the reason as its one error line
@@ -193,8 +195,9 @@ def bench(
     with _user_errors(debug):
         config, root = _setup_flow_run(params, debug, "bench")
         from flows.bench import bench_flow
+        from flows.cluster import on_cluster
 
-        outcome = bench_flow(config, root, trials, compare.resolve() if compare else None)
+        outcome = on_cluster(bench_flow, config)(config, root, trials, compare.resolve() if compare else None)
         _print_leaderboard(outcome.leaderboard)
         _print_spread(outcome.spread)
         if outcome.previous is not None:
@@ -408,11 +411,30 @@ def schedule(
 ) -> None:
     """Run the pipeline on params.yaml's schedule (cron or interval): a Prefect deployment served against the
     Prefect server, which is started first if it is not up. Runs until interrupted (Ctrl-C pauses the schedule);
-    one pipeline run at a time. The Prefect UI (services.prefect_port) shows the runs."""
+    one pipeline run at a time. The Prefect UI (services.prefect_port) shows the runs. With schedule.work_pool the
+    deployment goes to that work pool instead and this returns at once: the pool's workers run it."""
     with _user_errors(debug):
         config, root = _setup_scheduled(params, debug)
-        from flows.schedule import deployment_name, run_once, serve_schedule
+        from flows.schedule import deploy_to_pool, deployment_name, run_on_pool, run_once, serve_schedule
 
+        pool = config.schedule.work_pool
+        if pool and once:
+            console.print(
+                f"Triggering {deployment_name(config)} on work pool {pool}", soft_wrap=True, highlight=False
+            )
+            console.print(run_on_pool(config, params), soft_wrap=True, highlight=False)
+            return
+        if pool:
+            deploy_to_pool(config, params)
+            when = ", ".join(f"{key} {value}" for key, value in config.schedule.when.items())
+            console.print(
+                f"Deployed {deployment_name(config)} ({when}) on work pool {pool}: its workers run it "
+                f"(services.prefect_worker, or `prefect worker start --pool {pool}`). Prefect UI "
+                f"http://127.0.0.1:{config.services.prefect_port}.",
+                soft_wrap=True,
+                highlight=False,
+            )
+            return
         if once:
             log = Path(os.environ["PREFECT_HOME"]) / "schedule-once.log"
             console.print(

@@ -10,10 +10,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.stages import (
     IO_RETRIES,
     Measurements,
+    benchmark_fingerprint,
     duel,
     measure_variants,
     prepare_inputs,
@@ -35,8 +37,8 @@ from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.inputs.data import PreparedData, read_split
 from tasks.inputs.load import PreparedBase
-from tasks.measure.fingerprint import machine_fingerprint
 from tasks.report.run_report import ReportContext, write_run_report
+from tasks.report.timeline import Span, write_timeline
 from tasks.report.timings import StageClock
 from tasks.report.tracking import (
     configure_tracking,
@@ -78,7 +80,7 @@ def prepare_flow(config: Config, root: Path) -> tuple[PreparedBase, PreparedData
     return prepare_inputs(config, root)
 
 
-@flow(name="llmopt-pipeline")
+@flow(name="llmopt-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=1))
 def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     """Build, measure and rank every variant beside the production version; judge the winner against production
     (duel included) before anything is registered; register the winner as candidate and move production to it
@@ -86,7 +88,7 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     clock, started = StageClock(), datetime.now(UTC).isoformat(timespec="seconds")
     with clock.stage("prepare"):
         base, data = prepare_inputs(config, root)
-    fingerprint = machine_fingerprint(config.target.threads)
+    fingerprint = benchmark_fingerprint(config)
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
@@ -108,18 +110,23 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
         outcome = PipelineOutcome(board, registration, verdict, promoted)
         facts = (config.project.name, fingerprint, clock, started)
         highlights = report_run(
-            outcome, champion_of(measured, production), facts, reports, (experiment_id, parent_id)
+            outcome,
+            champion_of(measured, production),
+            facts,
+            reports,
+            (experiment_id, parent_id),
+            measured.spans,
         )
     return _finish(replace(outcome, highlights=highlights))
 
 
-@flow(name="llmopt-promote")
+@flow(name="llmopt-promote", task_runner=ThreadPoolTaskRunner(max_workers=1))
 def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
     """The champion/challenger gate for one registered version: measured beside production and the baseline."""
     clock, started = StageClock(), datetime.now(UTC).isoformat(timespec="seconds")
     with clock.stage("prepare"):
         base, data = prepare_inputs(config, root)
-    fingerprint = machine_fingerprint(config.target.threads)
+    fingerprint = benchmark_fingerprint(config)
     experiment_id = configure_tracking(config.tracking, root)
     challenger = registered_version(config.project.name, version)
     production = production_version(config.project.name)
@@ -147,7 +154,7 @@ def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
         outcome = PipelineOutcome(board, registration, verdict, promoted, registered_now=False)
         facts = (config.project.name, fingerprint, clock, started)
         highlights = report_run(
-            outcome, champion_of(measured, production), facts, out, (experiment_id, parent_id)
+            outcome, champion_of(measured, production), facts, out, (experiment_id, parent_id), measured.spans
         )
     return _finish(replace(outcome, highlights=highlights))
 
@@ -169,7 +176,8 @@ def register_winner(
             "llmopt.fingerprint": str(fingerprint["hash"]),
             "llmopt.git_commit": str(fingerprint["git_commit"]),
         }
-        folder, manifest = measured.folders[board.winner], measured.manifests[board.winner]
+        folder = measured.space.bring_home(measured.folders[board.winner])  # from the store, checked
+        manifest = measured.manifests[board.winner]
         registration = register_task(
             config, folder, manifest, runs[board.winner], tags, board.winner_summary()
         )
@@ -192,9 +200,11 @@ def report_run(
     facts: tuple[str, dict, StageClock, str],
     folder: Path,
     run_ids: tuple[str, str],
+    spans: list[Span],
 ) -> tuple[str, ...]:
-    """Write the run report (HTML + markdown) beside the leaderboard, log it and the stage timings on the parent
-    run; return the lines the terminal shows before the verdict. `facts`: project, fingerprint, clock, start."""
+    """Write the run report (HTML + markdown) and the task timeline beside the leaderboard, log them and the
+    stage timings on the parent run; return the lines the terminal shows before the verdict. `facts`: project,
+    fingerprint, clock, start."""
     project, fingerprint, clock, started = facts
     experiment_id, parent_id = run_ids
     registration = outcome.registration
@@ -210,7 +220,7 @@ def report_run(
         [folder / "tradeoff.png", folder / "speed.png"],
     )
     try:
-        files = write_run_report(outcome.leaderboard, context, folder)
+        files = write_run_report(outcome.leaderboard, context, folder) + write_timeline(spans, folder)
         log_run_report(parent_id, files, clock.metrics())
     except Exception as exc:  # the decision is made and recorded; a report that fails must not undo the run
         get_run_logger().warning(f"run report not written: {exc}")

@@ -5,6 +5,8 @@ run longer than schedule.timeout_min is failed."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -18,16 +20,19 @@ from tasks.config import Config, load_config
 from tasks.errors import ConfigError, LlmoptError, ServiceError
 
 FLOW_NAME = "llmopt-scheduled"
+PICK_UP_S = 120  # a run on a work pool that no worker has started after this long is reported, not waited on
 
 
 @flow(name=FLOW_NAME, persist_result=True)  # persisted: `--once` reads the last line from another process
 def scheduled_pipeline(params_path: str) -> str:
     """One pipeline run with the settings in `params_path` as they are when the tick fires; returns its last
     line (what happened to production, and why)."""
+    from flows.cluster import on_cluster
     from flows.pipeline import pipeline_flow
 
     path = Path(params_path)
-    return pipeline_flow(load_config(path), path.resolve().parent).summary()
+    config = load_config(path)
+    return on_cluster(pipeline_flow, config)(config, path.resolve().parent).summary()
 
 
 def deployment_name(config: Config) -> str:
@@ -68,6 +73,42 @@ def serve_schedule(config: Config, params_path: Path, pause_on_shutdown: bool = 
     )
 
 
+def deploy_to_pool(config: Config, params_path: Path) -> str:
+    """Create (or update) the deployment on schedule.work_pool, with its schedule; the pool's workers run it. The
+    pool is created (process type) when it does not exist yet. Returns the deployment's id."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig
+    from prefect.exceptions import ObjectAlreadyExists
+
+    pool = str(config.schedule.work_pool)
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):  # made before
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    source = Path(__file__).resolve().parents[1]  # the project; a worker elsewhere needs it at the same path
+    remote = scheduled_pipeline.from_source(
+        source=str(source), entrypoint="flows/schedule.py:scheduled_pipeline"
+    )
+    with contextlib.redirect_stdout(io.StringIO()):  # Prefect's hints and table (our own line says it all)
+        deployment_id = remote.deploy(
+            name=config.schedule.deployment,
+            work_pool_name=pool,
+            parameters={"params_path": str(params_path.resolve())},
+            concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy="CANCEL_NEW"),
+            description="llmopt pipeline on a schedule (params.yaml: schedule, services, cluster)",
+            print_next_steps=False,
+            build=False,
+            push=False,
+            **config.schedule.when,
+        )
+    return str(deployment_id)
+
+
+def run_on_pool(config: Config, params_path: Path) -> str:
+    """Deploy to the work pool, trigger one run now and wait for a worker of the pool to run it; its last line."""
+    deploy_to_pool(config, params_path)
+    return _trigger_and_wait(config, params_path, None, None)
+
+
 def run_once(config: Config, params_path: Path, runner_log: Path) -> str:
     """Trigger one run of the deployment now, with a runner serving it for that long, and wait for the run;
     its last line, or an LlmoptError saying how it ended."""
@@ -91,7 +132,11 @@ def run_once(config: Config, params_path: Path, runner_log: Path) -> str:
         _stop(runner)
 
 
-def _trigger_and_wait(config: Config, params_path: Path, runner: subprocess.Popen, runner_log: Path) -> str:
+def _trigger_and_wait(
+    config: Config, params_path: Path, runner: subprocess.Popen | None, runner_log: Path | None
+) -> str:
+    """Trigger the deployment and wait for the run (`runner`: the process serving it, watched; None: the work
+    pool's workers run it)."""
     from prefect import get_client
     from prefect.deployments import run_deployment
 
@@ -100,8 +145,16 @@ def _trigger_and_wait(config: Config, params_path: Path, runner: subprocess.Pope
         _wait_for_deployment(client, config, runner, runner_log)
         parameters = {"params_path": str(params_path.resolve())}
         flow_run = run_deployment(name=deployment_name(config), parameters=parameters, timeout=0)
+        started = time.monotonic()
         while not (state := client.read_flow_run(flow_run.id).state) or not state.is_final():
-            if runner.poll() is not None:
+            waiting = time.monotonic() - started
+            if runner is None and state is not None and state.is_scheduled() and waiting > PICK_UP_S:
+                raise ServiceError(
+                    f"run {flow_run.name} still {state.name} after {PICK_UP_S} s: no worker of work pool "
+                    f"{config.schedule.work_pool!r} picked it up (services.prefect_worker starts one here, or run "
+                    f"`prefect worker start --pool {config.schedule.work_pool}` where the pipeline should run)"
+                )
+            if runner is not None and runner.poll() is not None:
                 raise ServiceError(
                     f"the runner exited ({runner.returncode}) before run {flow_run.name} ended; see {runner_log}"
                 )
@@ -125,7 +178,7 @@ def _wait_for_deployment(client, config: Config, runner: subprocess.Popen, runne
             client.read_deployment_by_name(deployment_name(config))
             return
         except ObjectNotFound:
-            if runner.poll() is not None or time.monotonic() > deadline:
+            if (runner is not None and runner.poll() is not None) or time.monotonic() > deadline:
                 raise ServiceError(
                     f"{deployment_name(config)} was not registered; see {runner_log}"
                 ) from None

@@ -64,6 +64,7 @@ def configured_services(config: Config, root: Path) -> list[Service]:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = config.services.prefect_database_url
     api = prefect_api_url(config)
     services = [Service("prefect-server", INFRA / "prefect-server.sh", f"{api}/health", env, folder)]
+    services += _workers(config, folder)
     if not config.services.tracking_stack:
         return services
     cfg = config.services
@@ -86,6 +87,40 @@ def configured_services(config: Config, root: Path) -> list[Service]:
         ),
         *services,
     ]
+
+
+def _workers(config: Config, folder: Path) -> list[Service]:
+    """The Prefect worker (services.prefect_worker) and the Dask cluster (services.dask_workers): the scheduler, and
+    workers of which the first offers the `benchmark` resource (one benchmark at a time on this machine)."""
+    cfg, services = config.services, []
+    if cfg.prefect_worker:
+        port = cfg.prefect_port + 1
+        env = {
+            "PREFECT_API_URL": prefect_api_url(config),
+            "PREFECT_WORK_POOL": str(config.schedule.work_pool),
+            "PREFECT_WORKER_WEBSERVER_PORT": str(port),
+            "PREFECT_HOME": str(folder / "prefect-worker"),
+        }
+        services.append(
+            Service(
+                "prefect-worker", INFRA / "prefect-worker.sh", f"http://127.0.0.1:{port}/health", env, folder
+            )
+        )
+    if cfg.dask_workers:
+        env = {"DASK_PORT": str(cfg.dask_port), "DASK_HTTP_PORT": str(cfg.dask_port + 1)}
+        health = f"http://127.0.0.1:{cfg.dask_port + 1}/health"
+        services.append(Service("dask-scheduler", INFRA / "dask-scheduler.sh", health, env, folder))
+    for index in range(cfg.dask_workers):
+        port = cfg.dask_port + 2 + index
+        env = {
+            "DASK_SCHEDULER": f"tcp://127.0.0.1:{cfg.dask_port}",
+            "DASK_WORKER_NAME": f"llmopt-{index}",
+            "DASK_WORKER_HTTP_PORT": str(port),
+            "DASK_RESOURCES": "benchmark=1" if index == 0 else "",
+        }
+        health = f"http://127.0.0.1:{port}/health"
+        services.append(Service(f"dask-worker-{index}", INFRA / "dask-worker.sh", health, env, folder))
+    return services
 
 
 def healthy(service: Service) -> bool:

@@ -3,20 +3,21 @@ evaluate, benchmark every variant) and the rank-and-report tail (validate, rank,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
+from flows.cluster import BENCHMARK_RESOURCE, Stored, Workspace, on_benchmark_workers, workspace
 from flows.progress import progress_bar
 from tasks.build.optimize import build_variant
 from tasks.config import Config, VariantConfig
 from tasks.decide.registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
-from tasks.errors import LlmoptError
+from tasks.errors import ComparisonError, LlmoptError
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
@@ -27,6 +28,8 @@ from tasks.measure.benchmark import (
     memory_read_bandwidth_gbs,
 )
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
+from tasks.measure.fingerprint import machine_fingerprint
+from tasks.report.timeline import Span, overlapping, timed
 from tasks.report.timings import StageClock
 from tasks.report.tracking import log_reports, log_variant_run, write_reports
 
@@ -49,38 +52,120 @@ def prepare_inputs(config: Config, root: Path) -> tuple[PreparedBase, PreparedDa
     return load_task(config, root), data_task(config, root)
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """The prepared base model and data splits, and where workers find them."""
+
+    base: PreparedBase
+    base_stored: Stored
+    data: PreparedData
+    data_stored: Stored
+
+
+@dataclass(frozen=True)
+class Built:
+    name: str
+    manifest: VariantManifest
+    stored: Stored  # the variant folder on the flow's machine, and its key in the shared store
+    span: Span | None  # None: not built in this run (a registered version, downloaded)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    evaluation: VariantEvaluation
+    span: Span
+
+
 @task(name="optimize", task_run_name="optimize-{name}", cache_policy=NO_CACHE)
-def optimize_task(
-    name: str, variant: VariantConfig, base: PreparedBase, data: PreparedData, out_dir: Path
-) -> VariantManifest:
-    calibration = read_split(data.folder, "calibration")
-    with progress_bar(f"optimize {name}") as update:
-        return build_variant(
-            name, variant, base, data.content_hash, out_dir, calibration, lambda _, i, n: update(i, n)
-        )
+def optimize_task(name: str, variant: VariantConfig, inputs: Inputs, space: Workspace) -> Built:
+    with timed("build", name) as span:
+        base = replace(inputs.base, path=space.fetch(inputs.base_stored))
+        calibration = read_split(space.fetch(inputs.data_stored), "calibration")
+        out_dir = space.local(f"variants/{name}")
+        with progress_bar(f"optimize {name}") as update:
+            manifest = build_variant(
+                name,
+                variant,
+                base,
+                inputs.data.content_hash,
+                out_dir,
+                calibration,
+                lambda _, i, n: update(i, n),
+            )
+        stored = space.publish(out_dir)
+    return Built(name, manifest, replace(stored, path=space.workdir / "variants" / name), span[0])
 
 
-@task(name="evaluate", task_run_name="evaluate-{saved.stem}", cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name="evaluate-{built.name}", cache_policy=NO_CACHE)
 def evaluate_task(
-    folder: Path,
-    manifest: VariantManifest,
-    texts: list[str],
-    config: Config,
-    reference: list[list[int]] | None,
-    saved: Path,
-) -> VariantEvaluation:
-    with progress_bar(f"perplexity {saved.stem}") as update:
-        evaluation, reused = evaluate_or_reuse(
-            folder, manifest, texts, config.evaluate, reference, saved, config.target.threads, update
-        )
-    if reused:
-        get_run_logger().info(f"{saved.stem}: evaluation unchanged since the last run, reused")
-    return evaluation
+    built: Built, texts: list[str], config: Config, reference: Evaluated | None, space: Workspace
+) -> Evaluated:
+    """Evaluate the model (or reuse its saved evaluation); `reference`: the baseline's, for greedy agreement."""
+    with timed("evaluate", built.name) as span:
+        folder, saved = space.fetch(built.stored), space.local(f"evaluations/{built.name}.json")
+        continuations = reference.evaluation.continuations if reference else None
+        with progress_bar(f"perplexity {built.name}") as update:
+            evaluation, reused = evaluate_or_reuse(
+                folder,
+                built.manifest,
+                texts,
+                config.evaluate,
+                continuations,
+                saved,
+                config.target.threads,
+                update,
+            )
+        if reused:
+            get_run_logger().info(f"{built.name}: evaluation unchanged since the last run, reused")
+    return Evaluated(evaluation, span[0])
 
 
 @task(name="benchmark", task_run_name="benchmark-{name}", cache_policy=NO_CACHE)
-def benchmark_task(name: str, folder: Path, config: Config, prompt_text: str) -> BenchmarkResult:
-    return benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
+def benchmark_task(
+    name: str, stored: Stored, config: Config, prompt_text: str, space: Workspace
+) -> tuple[BenchmarkResult, Span]:
+    folder = space.fetch(stored)  # before the clock: a download is not part of the measurement
+    machine = str(machine_fingerprint(config.target.threads)["hash"])
+    with timed("benchmark", name, machine) as span:
+        result = benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
+    return result, span[0]
+
+
+@task(name="fingerprint", cache_policy=NO_CACHE)
+def fingerprint_task(config: Config) -> dict:
+    return machine_fingerprint(config.target.threads)
+
+
+@task(name="bandwidth", cache_policy=NO_CACHE)
+def bandwidth_task(config: Config) -> tuple[float, Span]:
+    """The benchmark machine's memory read bandwidth (the roofline for decode speed)."""
+    machine = str(machine_fingerprint(config.target.threads)["hash"])
+    with timed("bandwidth", "memory", machine) as span:
+        bandwidth = memory_read_bandwidth_gbs(config.target.threads)
+    return bandwidth, span[0]
+
+
+def on_benchmark_worker(future, patience_s: float = 60):
+    """The result of a task routed to benchmark workers; while none has taken it, a warning every `patience_s`
+    (no worker offers the `benchmark` resource, or the one that did was lost: it waits for one)."""
+    waited = 0.0
+    while True:
+        future.wait(timeout=patience_s)
+        if future.state.is_final():
+            return future.result()
+        if future.state.is_running():
+            continue
+        waited += patience_s
+        get_run_logger().warning(
+            f"waiting {waited:.0f} s for a worker offering the `{BENCHMARK_RESOURCE}` "
+            "resource (start one: DASK_RESOURCES=benchmark=1 infra/dask-worker.sh, one per benchmark machine)"
+        )
+
+
+def benchmark_fingerprint(config: Config) -> dict:
+    """The fingerprint of the machine benchmarks run on (this one, or a benchmark worker of the cluster)."""
+    with on_benchmark_workers(config):
+        return on_benchmark_worker(fingerprint_task.submit(config))
 
 
 def transient_failure(task, task_run, state) -> bool:
@@ -122,8 +207,11 @@ class Measurements:
     evaluations: dict[str, VariantEvaluation]
     trials: dict[str, list[BenchmarkResult]]
     bandwidth_gbs: float
-    folders: dict[str, Path]
+    folders: dict[str, Stored]  # on the flow's machine, and in the shared store
     registered: dict[str, str]  # registered model (e.g. "production-v3") → the name it was measured under
+    fingerprint: dict  # of the machine every benchmark ran on
+    spans: list[Span]  # every task of the run: what ran where, when
+    space: Workspace  # where the folders' bytes are
 
     def chosen(self, name: str) -> BenchmarkResult:
         """The trial reported for `name`: the one with the median batch-1 decode speed."""
@@ -139,62 +227,92 @@ def measure_variants(
     registered: dict[str, RegisteredVersion] | None = None,
     clock: StageClock | None = None,
 ) -> Measurements:
-    """Build (or reuse) and evaluate (or reuse) every variant, baseline first (its greedy continuations are
-    everyone's agreement reference), and the `registered` versions beside them (a variant of this run with the
-    same bytes stands for one, else it is downloaded); then benchmark them all `trials` times, trials
+    """Build (or reuse) and evaluate (or reuse) every variant and the `registered` versions beside them (a variant
+    of this run with the same bytes stands for one, else it is downloaded): all at once on a Dask cluster, one
+    after another here; the baseline's greedy continuations are everyone's agreement reference. Then, with
+    nothing else running, benchmark them all `trials` times, one at a time on the benchmark machine, trials
     interleaving the models so that a slow spell of the machine hits all of them."""
-    logger, clock = get_run_logger(), clock or StageClock()
-    texts, work = read_split(data.folder, "evaluation"), workdir(config, root)
-    manifests, evaluations, folders, reference = {}, {}, {}, None
-    for name, variant in baseline_first(config):
-        folders[name] = work / "variants" / name
-        with clock.stage("build"):
-            manifests[name] = optimize_task(name, variant, base, data, folders[name])
-        with clock.stage("evaluate"):
-            evaluations[name] = evaluate_task(
-                folders[name],
-                manifests[name],
-                texts,
-                config,
-                reference,
-                work / "evaluations" / f"{name}.json",
-            )
-        reference = reference or evaluations[name].continuations
-    stand_ins = {}
+    logger, clock, space = get_run_logger(), clock or StageClock(), workspace(config, root)
+    texts = read_split(data.folder, "evaluation")
+    inputs = Inputs(base, space.publish(base.path), data, space.publish(data.folder))
+    order = [name for name, _ in baseline_first(config)]
+    builds = {name: optimize_task.submit(name, config.variants[name], inputs, space) for name in order}
+    evaluations = {}
+    for name in order:
+        reference = evaluations.get(order[0])  # a future: each evaluation waits for the baseline's
+        evaluations[name] = evaluate_task.submit(builds[name], texts, config, reference, space)
+    stand_ins, fetched = {}, {}
     for label, version in (registered or {}).items():
-        same = [name for name, manifest in manifests.items() if manifest.model_hash == version.model_hash]
+        same = [n for n in order if builds[n].result().manifest.model_hash == version.model_hash]
         stand_ins[label] = same[0] if same else label
         if not same:
             with clock.stage("fetch production"):
-                folder = fetch_version_task(config, version, work / "registered" / f"v{version.version}")
-            folders[label], manifests[label] = folder, read_manifest(folder)
-            saved = work / "evaluations" / f"{label}.json"
-            with clock.stage("evaluate"):
-                evaluations[label] = evaluate_task(folder, manifests[label], texts, config, reference, saved)
-        logger.info(f"{label} is measured as {stand_ins[label]}")
-    with clock.stage("benchmark"):
-        bandwidth = memory_read_bandwidth_gbs(config.target.threads)  # after the builds: the machine settled
-    logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
-    results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
-    for trial in range(trials):
-        for name in manifests:
-            with clock.stage("benchmark"):
-                results[name].append(benchmark_task(name, folders[name], config, texts[0]))
-            perplexity = evaluations[name].perplexity.perplexity
-            logger.info(
-                f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, "
-                f"{results[name][-1].decode_tok_s:.1f} tok/s"
+                folder = fetch_version_task(
+                    config, version, space.workdir / "registered" / f"v{version.version}"
+                )
+            fetched[label] = Built(label, read_manifest(folder), space.publish(folder), None)
+            evaluations[label] = evaluate_task.submit(
+                fetched[label], texts, config, evaluations[order[0]], space
             )
-    return Measurements(manifests, evaluations, results, bandwidth, folders, stand_ins)
+        logger.info(f"{label} is measured as {stand_ins[label]}")
+    built = {
+        name: future.result() for name, future in builds.items()
+    } | fetched  # the barrier: nothing runs ...
+    done = {name: future.result() for name, future in evaluations.items()}
+    spans = [b.span for b in built.values() if b.span] + [e.span for e in done.values()]
+    manifests = {name: b.manifest for name, b in built.items()}
+    folders = {name: b.stored for name, b in built.items()}
+    with on_benchmark_workers(config):  # ... beside the benchmarks, which run one at a time
+        fingerprint = on_benchmark_worker(fingerprint_task.submit(config))
+        bandwidth, span = on_benchmark_worker(bandwidth_task.submit(config))
+        spans.append(span)
+        logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
+        results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
+        for trial in range(trials):
+            for name in manifests:
+                result, span = on_benchmark_worker(
+                    benchmark_task.submit(name, folders[name], config, texts[0], space)
+                )
+                results[name].append(result)
+                spans.append(span)
+                perplexity = done[name].evaluation.perplexity.perplexity
+                logger.info(
+                    f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, {result.decode_tok_s:.1f} tok/s"
+                )
+    _same_machine(fingerprint, spans)
+    for span in spans:
+        clock.add(span.kind if span.kind != "bandwidth" else "benchmark", span.seconds)
+    evaluated = {name: e.evaluation for name, e in done.items()}
+    return Measurements(
+        manifests, evaluated, results, bandwidth, folders, stand_ins, fingerprint, spans, space
+    )
+
+
+def _same_machine(fingerprint: dict, spans: list[Span]) -> None:
+    """Every benchmark of a run must run on one kind of machine, with nothing else beside it."""
+    machines = {span.machine for span in spans if span.kind in ("benchmark", "bandwidth")}
+    if machines - {str(fingerprint["hash"])}:
+        raise ComparisonError(
+            f"benchmarks ran on machines with different fingerprints ({', '.join(sorted(machines))}): "
+            f"give the `{BENCHMARK_RESOURCE}` resource to workers of one kind of machine only"
+        )
+    if clash := overlapping(spans):
+        bench, other = clash[0]
+        raise ComparisonError(
+            f"{other.kind} {other.name} ran on {other.host} during the benchmark of {bench.name}: its figures "
+            "are not clean (run one pipeline at a time per benchmark machine)"
+        )
 
 
 def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_text: str) -> None:
     """`select.duel_trials` more benchmarks of the two models, back to back, appended to their trials."""
-    for trial in range(config.select.duel_trials):
-        for name in (
-            names if trial % 2 == 0 else names[::-1]
-        ):  # neither always runs first (warm caches, turbo)
-            measured.trials[name].append(benchmark_task(name, measured.folders[name], config, prompt_text))
+    with on_benchmark_workers(config):
+        for trial in range(config.select.duel_trials):
+            for name in names if trial % 2 == 0 else names[::-1]:  # neither always first (warm caches, turbo)
+                args = (name, measured.folders[name], config, prompt_text, measured.space)
+                result, span = on_benchmark_worker(benchmark_task.submit(*args))
+                measured.trials[name].append(result)
+                measured.spans.append(span)
 
 
 def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
@@ -204,7 +322,8 @@ def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
 
 def paired_with_baseline(config: Config, measured: Measurements, name: str) -> bool:
     """Whether a model's evaluation pairs with the baseline's: same tokenizer, so same windows and items."""
-    return same_tokenizer(measured.folders[name], measured.folders[config.select.baseline])
+    baseline = measured.space.bring_home(measured.folders[config.select.baseline])
+    return same_tokenizer(measured.folders[name].path, baseline)
 
 
 def rank_and_report(

@@ -393,6 +393,10 @@ class ScheduleConfig(Strict):
     deployment: str = Field("scheduled", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     # a run still going after this many minutes is failed
     timeout_min: Annotated[float, Field(gt=0, le=7 * 24 * 60)] = 120.0
+    # null: `llmopt schedule` serves the deployment from its own process. A name: the deployment is created on that
+    # Prefect work pool (process type) and run by the pool's workers (`prefect worker start --pool NAME`, or
+    # services.prefect_worker), on whichever machine they are
+    work_pool: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
 
     @model_validator(mode="after")
     def _one_schedule(self) -> ScheduleConfig:
@@ -427,6 +431,34 @@ class ServicesConfig(Strict):
     # PostgreSQL's data folder (default project.workdir/services/postgres); as root it runs as the postgres user,
     # which must be able to reach this folder
     postgres_data: str | None = None
+    # A Prefect worker on schedule.work_pool (runs the deployment's flow runs on this machine)
+    prefect_worker: bool = False
+    # A Dask scheduler on dask_port and this many workers (1 thread each; the first offers the `benchmark`
+    # resource); 0: none. Point the pipeline at it with cluster.runner: dask, dask_address: tcp://127.0.0.1:<port>
+    dask_workers: Annotated[int, Field(ge=0, le=256)] = 0
+    dask_port: Annotated[int, Field(ge=1, le=65535)] = 8786
+
+
+class ClusterConfig(Strict):
+    """Where the pipeline's tasks run. `local`: in this process, one after another. `dask`: builds and evaluations
+    fan out over a Dask cluster (a local one of `dask_workers` processes, or the scheduler at `dask_address`);
+    benchmarks wait until nothing else runs, then run one at a time on workers offering the `benchmark` resource."""
+
+    runner: Literal["local", "dask"] = "local"
+    dask_address: str | None = Field(None, pattern=r"^(tcp|tls|inproc|ucx)://\S+$")
+    dask_workers: Annotated[int, Field(ge=1, le=256)] = 2  # processes of the local cluster, 1 thread each
+    # Shared store for the bytes tasks exchange (base model, data splits, variants), content-addressed and checked
+    # on every read: s3://bucket/prefix (endpoint and keys from the AWS_* environment) or a folder every worker
+    # mounts. null: workers use the paths of this machine's project.workdir (a local cluster, or a shared mount).
+    store: str | None = None
+    # Where workers keep their copies of stored folders (~ expands on the worker)
+    worker_dir: str = "~/.cache/llmopt/worker"
+
+    @model_validator(mode="after")
+    def _address_for_dask(self) -> ClusterConfig:
+        if self.runner == "local" and self.dask_address is not None:
+            raise ValueError("dask_address is set but runner is local (set runner: dask to use the cluster)")
+        return self
 
 
 class Config(Strict):
@@ -443,6 +475,7 @@ class Config(Strict):
     loadtest: LoadtestConfig = LoadtestConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     services: ServicesConfig = ServicesConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _baseline_is_plain(self) -> Config:
@@ -451,6 +484,8 @@ class Config(Strict):
             raise ValueError(f"select.baseline names {self.select.baseline!r}, which is not in variants")
         if base.steps or base.runtime.dtype != "float32":
             raise ValueError(f"the baseline variant {self.select.baseline!r} must be fp32 with no steps")
+        if self.services.prefect_worker and self.schedule.work_pool is None:
+            raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self
 
 

@@ -11,9 +11,19 @@ import os
 import signal
 
 ENV = "LLMOPT_FAILPOINT"
+ONCE_ENV = (
+    "LLMOPT_FAILPOINT_ONCE"  # a file path: only the first process to reach the point dies (it creates it)
+)
 
 
 def failpoint(name: str) -> None:
-    """SIGKILL this process here when $LLMOPT_FAILPOINT names this point."""
-    if os.environ.get(ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """SIGKILL this process here when $LLMOPT_FAILPOINT names this point (only the first process to get here when
+    $LLMOPT_FAILPOINT_ONCE names a marker file: a task retried on another worker then goes through)."""
+    if os.environ.get(ENV) != name:
+        return
+    if marker := os.environ.get(ONCE_ENV):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    os.kill(os.getpid(), signal.SIGKILL)

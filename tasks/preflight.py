@@ -41,6 +41,7 @@ def preflight(
         ),
         lambda: check_dvc_remote(root),
         lambda: check_disk_space(config, root),
+        lambda: check_cluster(config, reach=not (starts_services and config.services.dask_workers)),
     ]
     if config.evaluate.lm_eval_tasks:
         from tasks.measure.lm_eval_adapter import require_lm_eval
@@ -115,6 +116,31 @@ def _reachable(key: str, uri: str) -> None:
             else ""
         )
         raise ConfigError(f"{key}: nothing answers at {host}:{port} ({exc.strerror or exc}){hint}") from None
+
+
+def check_cluster(config: Config, reach: bool = True) -> None:
+    """The Dask scheduler of cluster.dask_address answers (`reach`), and the store's scheme is one fsspec knows."""
+    cluster = config.cluster
+    if cluster.runner == "dask" and cluster.dask_address and reach:
+        address = cluster.dask_address.split("://", 1)[1]
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host or "localhost", int(port)), timeout=REACH_TIMEOUT_S).close()
+        except (OSError, ValueError) as exc:
+            hint = " (a local cluster: services.dask_workers, `llmopt services up`)" if host in LOCAL else ""
+            raise ConfigError(
+                f"cluster.dask_address: nothing answers at {cluster.dask_address} ({exc}){hint}"
+            ) from None
+    if cluster.store:
+        import fsspec
+
+        protocol = cluster.store.split("://", 1)[0] if "://" in cluster.store else "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(
+                f"cluster.store: {cluster.store!r} is not a store llmopt can reach ({exc})"
+            ) from None
 
 
 def check_dvc_remote(root: Path) -> None:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -39,14 +40,16 @@ def machine_fingerprint(threads: int) -> dict[str, object]:
         "packages": {name: _version(name) for name in PACKAGES},
         "gpu": None,
         "git_commit": git_commit(Path.cwd()),
+        "host": socket.gethostname(),  # where it ran (not part of the identity: same hardware, same hash)
     }
     fingerprint["hash"] = fingerprint_hash(fingerprint)
     return fingerprint
 
 
 def fingerprint_hash(fingerprint: dict[str, object]) -> str:
-    """Identity of the measuring environment; the git commit is excluded (code changes do not move hardware)."""
-    stable = {k: v for k, v in fingerprint.items() if k not in ("hash", "git_commit")}
+    """Identity of the measuring environment; the git commit and host name are excluded (code changes do not move
+    hardware, and identical machines measure alike)."""
+    stable = {k: v for k, v in fingerprint.items() if k not in ("hash", "git_commit", "host")}
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -92,7 +95,7 @@ def ensure_comparable(previous: dict[str, object], current: dict[str, object]) -
     """Refuse to compare speed measured in different environments, naming what differs."""
     if previous.get("hash") == current.get("hash"):
         return
-    fields = sorted((set(previous) | set(current)) - {"hash", "git_commit"})
+    fields = sorted((set(previous) | set(current)) - {"hash", "git_commit", "host"})
     differences = [
         f"{name}: {previous.get(name)!r} → {current.get(name)!r}"
         for name in fields

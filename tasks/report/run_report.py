@@ -116,7 +116,7 @@ def verdict_in_words(board: Leaderboard, ctx: ReportContext) -> list[str]:
 def _machine(fp: dict) -> str:
     packages = ", ".join(f"{name} {version}" for name, version in fp.get("packages", {}).items())
     return (
-        f"{fp.get('cpu_model')} ({fp.get('cpu_cores')} cores, {fp.get('threads')} threads used, "
+        f"{fp.get('host', 'this machine')}: {fp.get('cpu_model')} ({fp.get('cpu_cores')} cores, {fp.get('threads')} threads used, "
         f"{fp.get('memory_gib')} GiB), {fp.get('os')}; {packages}; git {fp.get('git_commit')}; "
         f"fingerprint {fp.get('hash')}"
     )

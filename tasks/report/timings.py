@@ -22,6 +22,10 @@ class StageClock:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Seconds a task spent in a stage (measured where it ran; on a cluster, stages overlap)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
     @property
     def total_s(self) -> float:
         return time.perf_counter() - self._started

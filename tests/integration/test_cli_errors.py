@@ -115,6 +115,12 @@ def unanswered_tracking(params: dict, _: Path) -> None:
         params["tracking"] = {"uri": f"http://127.0.0.1:{probe.getsockname()[1]}"}
 
 
+def unanswered_scheduler(params: dict, _: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        params["cluster"] = {"runner": "dask", "dask_address": f"tcp://127.0.0.1:{probe.getsockname()[1]}"}
+
+
 CATALOGUE = {
     # params.yaml
     "unknown key": Case(
@@ -189,6 +195,9 @@ CATALOGUE = {
         "tracking.artifacts: mlflow-artifacts:/ needs a tracking server",
     ),
     "tracking server not answering": Case(unanswered_tracking, "tracking.uri: nothing answers at 127.0.0.1:"),
+    "Dask scheduler not answering": Case(
+        unanswered_scheduler, "cluster.dask_address: nothing answers at tcp://127.0.0.1:"
+    ),
     "bad --concurrency": Case(
         lambda p, t: None,
         "--concurrency: comma-separated positive integers",

@@ -32,6 +32,22 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+def stack_params(model: Path, corpus: Path, pg_parent: Path, prefect_port: int, **overrides) -> dict:
+    """The tiny project's params with the tracking stack on free ports (`overrides`: more sections or services)."""
+    postgres, s3, mlflow = _free_ports(3)
+    services = {
+        "tracking_stack": True,
+        "postgres_port": postgres,
+        "s3_port": s3,
+        "mlflow_port": mlflow,
+        "prefect_port": prefect_port,
+        "postgres_data": str(pg_parent / "data"),
+        **overrides.pop("services", {}),
+    }
+    tracking = {"uri": f"http://127.0.0.1:{mlflow}", "artifacts": "mlflow-artifacts:/llmopt"}
+    return tiny_params(model, corpus, services=services, tracking=tracking, **overrides)
+
+
 @pytest.fixture
 def stack_project(tmp_path, tiny_model_dir, corpus_dir):
     if shutil.which("initdb") is None and not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
@@ -39,23 +55,11 @@ def stack_project(tmp_path, tiny_model_dir, corpus_dir):
     # As root PostgreSQL runs as the postgres user, which cannot enter pytest's private temp folders.
     pg_parent = Path(tempfile.mkdtemp(prefix="llmopt-pg-"))
     pg_parent.chmod(0o755)
-    postgres, s3, mlflow, prefect = _free_ports(4)
-    params = tiny_params(
-        tiny_model_dir,
-        corpus_dir,
-        services={
-            "tracking_stack": True,
-            "postgres_port": postgres,
-            "s3_port": s3,
-            "mlflow_port": mlflow,
-            "prefect_port": prefect,
-            "postgres_data": str(pg_parent / "data"),
-        },
-        tracking={"uri": f"http://127.0.0.1:{mlflow}", "artifacts": "mlflow-artifacts:/llmopt"},
-    )
+    params = stack_params(tiny_model_dir, corpus_dir, pg_parent, _free_ports(1)[0])
     root = make_project(tmp_path / "p", params)
     run(root, "dvc", "remote", "add", "-d", "-f", "s3", "s3://llmopt-dvc/cache")
-    run(root, "dvc", "remote", "modify", "s3", "endpointurl", f"http://127.0.0.1:{s3}")
+    s3 = f"http://127.0.0.1:{params['services']['s3_port']}"
+    run(root, "dvc", "remote", "modify", "s3", "endpointurl", s3)
     try:
         yield root, params
     finally:

@@ -25,7 +25,11 @@ def host_port(service: dict) -> int:
 
 
 def test_compose_names_the_native_stacks_services_on_the_same_host_ports_and_scripts(tmp_path):
-    config = Config(variants={"baseline": {}}, services={"tracking_stack": True})
+    config = Config(
+        variants={"baseline": {}},
+        services={"tracking_stack": True, "prefect_worker": True, "dask_workers": 2},
+        schedule={"work_pool": "llmopt"},
+    )
     native = {service.name: service for service in configured_services(config, tmp_path)}
     services = compose()
     assert set(native) <= set(services)
@@ -35,6 +39,7 @@ def test_compose_names_the_native_stacks_services_on_the_same_host_ports_and_scr
         "s3": ports.s3_port,
         "mlflow-server": ports.mlflow_port,
         "prefect-server": ports.prefect_port,
+        "dask-scheduler": ports.dask_port,
         "llmopt-serve": ServeConfig().port,
     }
     assert {name: host_port(services[name]) for name in expected} == expected

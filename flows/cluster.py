@@ -1,0 +1,107 @@
+"""Where the pipeline's tasks run (params.yaml `cluster`): the task runner, the workspace tasks exchange bytes
+through, and the routing that keeps benchmarks on benchmark workers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.config import Config
+from tasks.store import FolderStore
+
+BENCHMARK_RESOURCE = "benchmark"  # Dask worker resource of the machines benchmarks may run on (1 per machine)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A folder as the flow's machine knows it (`path`), and its key in the shared store (None: no store, the
+    path is where every worker reads it)."""
+
+    path: Path
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Where tasks read and write: this machine's project.workdir, or (with cluster.store) each worker's own
+    folder, the bytes travelling through the store and checked against their hashes on every read."""
+
+    workdir: Path
+    store: str | None = None
+    worker_dir: str = "~/.cache/llmopt/worker"
+    notes: list[str] = field(default_factory=list)
+
+    def local(self, relative: str) -> Path:
+        """Where a task on this worker writes `relative` (a build, a saved evaluation)."""
+        if self.store is None:
+            return self.workdir / relative
+        return Path(self.worker_dir).expanduser() / relative
+
+    def publish(self, folder: Path) -> Stored:
+        """The folder, uploaded to the store when there is one (once per content)."""
+        if self.store is None:
+            return Stored(folder)
+        return Stored(folder, FolderStore(self.store).put(folder))
+
+    def fetch(self, stored: Stored) -> Path:
+        """Where this worker reads `stored`: its path without a store, else its copy from the store (downloaded
+        and checked once per content)."""
+        if self.store is None or stored.key is None:
+            return stored.path
+        return FolderStore(self.store).get(stored.key, self.local(f"store/{stored.key}"))
+
+    def bring_home(self, stored: Stored) -> Path:
+        """`stored` at its path on the flow's machine (downloaded from the store when it is not there yet)."""
+        if self.store is None or stored.key is None:
+            return stored.path
+        return FolderStore(self.store).get(stored.key, stored.path)
+
+
+def workspace(config: Config, root: Path) -> Workspace:
+    cluster = config.cluster
+    store = cluster.store if cluster.runner == "dask" else None  # in one process there is nothing to exchange
+    return Workspace((root / config.project.workdir).resolve(), store, cluster.worker_dir)
+
+
+def task_runner(config: Config):
+    """The Prefect task runner for `cluster`: one thread (tasks one after another, as measured alone), or Dask."""
+    if config.cluster.runner == "local":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=1)
+    import dask
+    from prefect_dask import DaskTaskRunner
+
+    # workers start each benchmark in a fresh interpreter of their own: they may not be daemonic processes
+    dask.config.set({"distributed.worker.daemon": False})
+    if config.cluster.dask_address:
+        return DaskTaskRunner(address=config.cluster.dask_address)
+    return DaskTaskRunner(
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={
+            "n_workers": config.cluster.dask_workers,
+            "threads_per_worker": 1,
+            "processes": True,
+            "resources": {BENCHMARK_RESOURCE: 1},
+            "dashboard_address": None,
+        },
+    )
+
+
+@contextlib.contextmanager
+def on_benchmark_workers(config: Config) -> Iterator[None]:
+    """Tasks submitted inside go to workers offering the `benchmark` resource (one at a time per worker)."""
+    if config.cluster.runner != "dask":
+        yield
+        return
+    import dask
+
+    with dask.annotate(resources={BENCHMARK_RESOURCE: 1}):
+        yield
+
+
+def on_cluster(flow, config: Config):
+    """`flow` with the task runner `cluster` asks for (call it as the flow itself)."""
+    return flow.with_options(task_runner=task_runner(config))
