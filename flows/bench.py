@@ -36,7 +36,7 @@ def bench_flow(config: Config, root: Path, trials: int, compare: Path | None = N
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash, "trials": str(trials)}
     with parent_run(experiment_id, config, lineage, fingerprint, kind="bench") as parent_id:
-        measured = measure_variants(config, root, base, data, trials)
+        measured = measure_variants(config, root, base, data, trials, fingerprint)
         spread = trial_spread(measured.trials)
         out = workdir(config, root) / "bench"
         out.mkdir(parents=True, exist_ok=True)

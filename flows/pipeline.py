@@ -3,6 +3,7 @@ select → register → the champion/challenger gate → promote. Also the gate 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -94,7 +95,7 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
         production = production_version(config.project.name)
         registered = {f"production-v{production.version}": production} if production else {}
-        measured = measure_variants(config, root, base, data, trials=1, registered=registered, clock=clock)
+        measured = measure_variants(config, root, base, data, 1, fingerprint, registered, clock)
         reports = workdir(config, root) / "reports"
         with clock.stage("rank"):
             board, runs = rank_and_report(
@@ -137,7 +138,7 @@ def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
     )
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash, "challenger": version}
     with parent_run(experiment_id, only_baseline, lineage, fingerprint, kind="promote") as parent_id:
-        measured = measure_variants(only_baseline, root, base, data, 1, registered, clock)
+        measured = measure_variants(only_baseline, root, base, data, 1, fingerprint, registered, clock)
         out = workdir(config, root) / "promote"
         with clock.stage("rank"):
             board, _ = rank_and_report(
@@ -220,7 +221,9 @@ def report_run(
         [folder / "tradeoff.png", folder / "speed.png"],
     )
     try:
-        files = write_run_report(outcome.leaderboard, context, folder) + write_timeline(spans, folder)
+        files = write_run_report(outcome.leaderboard, context, folder)
+        with contextlib.suppress(OSError, ValueError):  # the timeline is a picture of the run, not its record
+            files += write_timeline(spans, folder)
         log_run_report(parent_id, files, clock.metrics())
     except Exception as exc:  # the decision is made and recorded; a report that fails must not undo the run
         get_run_logger().warning(f"run report not written: {exc}")

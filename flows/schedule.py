@@ -149,6 +149,12 @@ def _trigger_and_wait(
         while not (state := client.read_flow_run(flow_run.id).state) or not state.is_final():
             waiting = time.monotonic() - started
             if runner is None and state is not None and state.is_scheduled() and waiting > PICK_UP_S:
+                from prefect.states import Cancelled
+
+                # cancelled, so that a worker starting later does not run it behind the user's back
+                client.set_flow_run_state(
+                    flow_run.id, Cancelled(message="no worker picked it up"), force=True
+                )
                 raise ServiceError(
                     f"run {flow_run.name} still {state.name} after {PICK_UP_S} s: no worker of work pool "
                     f"{config.schedule.work_pool!r} picked it up (services.prefect_worker starts one here, or run "
@@ -165,7 +171,10 @@ def _trigger_and_wait(
             time.sleep(2)  # Prefect's server has no push notification for a run's end
     if not state.is_completed():
         raise LlmoptError(f"run {flow_run.name} ended {state.name}: {state.message}")
-    return str(state.result(raise_on_failure=False))
+    try:
+        return str(state.result(raise_on_failure=False))
+    except Exception:  # persisted on the worker's machine, out of reach from here
+        return f"run {flow_run.name} completed (its last line is in the worker's log and the Prefect UI)"
 
 
 def _wait_for_deployment(client, config: Config, runner: subprocess.Popen, runner_log: Path) -> None:

@@ -3,6 +3,7 @@ evaluate, benchmark every variant) and the rank-and-report tail (validate, rank,
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from tasks.measure.benchmark import (
     memory_read_bandwidth_gbs,
 )
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
-from tasks.measure.fingerprint import machine_fingerprint
+from tasks.measure.fingerprint import git_commit, machine_fingerprint
 from tasks.report.timeline import Span, overlapping, timed
 from tasks.report.timings import StageClock
 from tasks.report.tracking import log_reports, log_variant_run, write_reports
@@ -146,26 +147,40 @@ def bandwidth_task(config: Config) -> tuple[float, Span]:
 
 
 def on_benchmark_worker(future, patience_s: float = 60):
-    """The result of a task routed to benchmark workers; while none has taken it, a warning every `patience_s`
-    (no worker offers the `benchmark` resource, or the one that did was lost: it waits for one)."""
+    """The result of a task routed to benchmark workers (its error, if it failed). On Dask, while no worker offers
+    the `benchmark` resource (none started, or the only one was lost), a warning every `patience_s`: the task
+    waits for one."""
+    wrapped = getattr(future, "wrapped_future", None)
+    if not hasattr(wrapped, "client"):  # this process's thread: nothing to wait for but the task itself
+        return future.result()
+    import distributed
+
     waited = 0.0
-    while True:
-        future.wait(timeout=patience_s)
-        if future.state.is_final():
-            return future.result()
-        if future.state.is_running():
-            continue
+    while not wrapped.done():
+        with contextlib.suppress(TimeoutError):  # a failed task is done: result() below raises its error
+            distributed.wait(wrapped, timeout=patience_s)
+        if wrapped.done():
+            break
         waited += patience_s
-        get_run_logger().warning(
-            f"waiting {waited:.0f} s for a worker offering the `{BENCHMARK_RESOURCE}` "
-            "resource (start one: DASK_RESOURCES=benchmark=1 infra/dask-worker.sh, one per benchmark machine)"
-        )
+        offered = [
+            w
+            for w in wrapped.client.scheduler_info()["workers"].values()
+            if BENCHMARK_RESOURCE in w.get("resources", {})
+        ]
+        if not offered:
+            get_run_logger().warning(
+                f"waiting {waited:.0f} s: no worker offers the `{BENCHMARK_RESOURCE}` resource (start one: "
+                "DASK_RESOURCES=benchmark=1 infra/dask-worker.sh, one per benchmark machine)"
+            )
+    return future.result()
 
 
 def benchmark_fingerprint(config: Config) -> dict:
-    """The fingerprint of the machine benchmarks run on (this one, or a benchmark worker of the cluster)."""
+    """The fingerprint of the machine benchmarks run on (this one, or a benchmark worker of the cluster), with
+    this checkout's git commit (a worker's working folder may be anywhere)."""
     with on_benchmark_workers(config):
-        return on_benchmark_worker(fingerprint_task.submit(config))
+        fingerprint = on_benchmark_worker(fingerprint_task.submit(config))
+    return {**fingerprint, "git_commit": git_commit(Path.cwd())}
 
 
 def transient_failure(task, task_run, state) -> bool:
@@ -224,6 +239,7 @@ def measure_variants(
     base: PreparedBase,
     data: PreparedData,
     trials: int,
+    fingerprint: dict,
     registered: dict[str, RegisteredVersion] | None = None,
     clock: StageClock | None = None,
 ) -> Measurements:
@@ -231,7 +247,8 @@ def measure_variants(
     of this run with the same bytes stands for one, else it is downloaded): all at once on a Dask cluster, one
     after another here; the baseline's greedy continuations are everyone's agreement reference. Then, with
     nothing else running, benchmark them all `trials` times, one at a time on the benchmark machine, trials
-    interleaving the models so that a slow spell of the machine hits all of them."""
+    interleaving the models so that a slow spell of the machine hits all of them. `fingerprint`: the benchmark
+    machine's (`benchmark_fingerprint`); a benchmark that ran on another kind of machine fails the run."""
     logger, clock, space = get_run_logger(), clock or StageClock(), workspace(config, root)
     texts = read_split(data.folder, "evaluation")
     inputs = Inputs(base, space.publish(base.path), data, space.publish(data.folder))
@@ -263,7 +280,6 @@ def measure_variants(
     manifests = {name: b.manifest for name, b in built.items()}
     folders = {name: b.stored for name, b in built.items()}
     with on_benchmark_workers(config):  # ... beside the benchmarks, which run one at a time
-        fingerprint = on_benchmark_worker(fingerprint_task.submit(config))
         bandwidth, span = on_benchmark_worker(bandwidth_task.submit(config))
         spans.append(span)
         logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
@@ -289,7 +305,8 @@ def measure_variants(
 
 
 def _same_machine(fingerprint: dict, spans: list[Span]) -> None:
-    """Every benchmark of a run must run on one kind of machine, with nothing else beside it."""
+    """Every benchmark of a run must run on the kind of machine the run's fingerprint names, and no other task of
+    the run beside it (the barrier and one-at-a-time submission make that so; this checks they did)."""
     machines = {span.machine for span in spans if span.kind in ("benchmark", "bandwidth")}
     if machines - {str(fingerprint["hash"])}:
         raise ComparisonError(
@@ -300,7 +317,7 @@ def _same_machine(fingerprint: dict, spans: list[Span]) -> None:
         bench, other = clash[0]
         raise ComparisonError(
             f"{other.kind} {other.name} ran on {other.host} during the benchmark of {bench.name}: its figures "
-            "are not clean (run one pipeline at a time per benchmark machine)"
+            "are not clean"
         )
 
 
@@ -313,6 +330,7 @@ def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_
                 result, span = on_benchmark_worker(benchmark_task.submit(*args))
                 measured.trials[name].append(result)
                 measured.spans.append(span)
+    _same_machine(measured.fingerprint, measured.spans)
 
 
 def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:

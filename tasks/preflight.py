@@ -121,11 +121,12 @@ def _reachable(key: str, uri: str) -> None:
 def check_cluster(config: Config, reach: bool = True) -> None:
     """The Dask scheduler of cluster.dask_address answers (`reach`), and the store's scheme is one fsspec knows."""
     cluster = config.cluster
-    if cluster.runner == "dask" and cluster.dask_address and reach:
-        address = cluster.dask_address.split("://", 1)[1]
-        host, _, port = address.rpartition(":")
+    address = urlparse(cluster.dask_address or "")
+    if cluster.runner == "dask" and address.scheme in ("tcp", "tls") and reach:
+        host = address.hostname or "localhost"
         try:
-            socket.create_connection((host or "localhost", int(port)), timeout=REACH_TIMEOUT_S).close()
+            port = address.port or 8786  # Dask's default
+            socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
         except (OSError, ValueError) as exc:
             hint = " (a local cluster: services.dask_workers, `llmopt services up`)" if host in LOCAL else ""
             raise ConfigError(

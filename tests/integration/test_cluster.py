@@ -146,10 +146,11 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
 
     root, params, env = cluster
     marker = tmp_path / "killed"
-    params = {
-        **params,
-        "cluster": {**params["cluster"], "worker_dir": str(tmp_path / "workers")},
-    }  # build again
+    fresh = {
+        "worker_dir": str(tmp_path / "workers"),
+        "store": "s3://llmopt-dvc/after-kill",
+    }  # build, upload again
+    params = {**params, "cluster": {**params["cluster"], **fresh}}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     config = load_config(root / "params.yaml")
     workers = [s for s in configured_services(config, root) if s.name.startswith("dask-worker")]
@@ -189,10 +190,10 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
         built = Path(params["cluster"]["worker_dir"]) / "variants" / name
         assert (built / "manifest.json").is_file() and not built.with_name(name + ".partial").exists()
     s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], **_boto(S3_CREDENTIALS))
-    listed = s3.list_objects_v2(Bucket="llmopt-dvc", Prefix="store/").get("Contents", [])
+    listed = s3.list_objects_v2(Bucket="llmopt-dvc", Prefix="after-kill/").get("Contents", [])
     keys = [o["Key"].split("/")[1] for o in listed if o["Key"].endswith("/llmopt-files.json")]
     assert len(keys) == 2 + len(params["variants"])  # the retried build was stored once, whole
-    store = FolderStore("s3://llmopt-dvc/store")
+    store = FolderStore("s3://llmopt-dvc/after-kill")
     for key in keys:  # every folder the store offers reads back with all its files matching their hashes
         store.get(key, tmp_path / "check" / key)
 

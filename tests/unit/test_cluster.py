@@ -110,3 +110,58 @@ def test_cluster_settings_are_checked():
 def test_the_local_runner_runs_one_task_at_a_time():
     runner = task_runner(Config(variants={"baseline": {}}))
     assert type(runner).__name__ == "ThreadPoolTaskRunner" and runner._max_workers == 1
+
+
+def test_workers_fetching_the_same_folder_at_once_share_one_download(tmp_path):
+    import threading
+
+    store = FolderStore(str(tmp_path / "store"))
+    key = store.put(_folder(tmp_path / "built", {f"shard{i}.bin": "x" * 100_000 * (i + 1) for i in range(8)}))
+    errors, dest = [], tmp_path / "worker" / key
+
+    def fetch() -> None:
+        try:
+            assert folder_key(store.get(key, dest)) == key
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and folder_key(dest) == key
+
+
+def test_an_index_that_does_not_match_its_key_or_leaves_its_folder_is_refused(tmp_path):
+    store = FolderStore(str(tmp_path / "store"))
+    key = store.put(_folder(tmp_path / "built"))
+    index = tmp_path / "store" / key / INDEX
+    hashes = json.loads(index.read_text())
+    index.write_text(json.dumps({"../../outside": next(iter(hashes.values()))}))
+    with pytest.raises(ModelSourceError, match="its index does not match its key"):
+        store.get(key, tmp_path / "copy")
+    assert not (tmp_path / "outside").exists()
+
+
+def test_an_object_missing_from_a_complete_folder_is_one_line_and_leaves_nothing(tmp_path):
+    from tasks.errors import StorageError
+
+    store = FolderStore(str(tmp_path / "store"))
+    key = store.put(_folder(tmp_path / "built"))
+    (tmp_path / "store" / key / "model.safetensors").unlink()
+    with pytest.raises(StorageError, match=f"cannot download folder {key[:12]}"):
+        store.get(key, tmp_path / "copy")
+    assert not (tmp_path / "copy").exists() and not (tmp_path / "copy.partial").exists()
+
+
+def test_benchmarks_on_another_kind_of_machine_or_beside_other_work_fail_the_run():
+    from flows.stages import _same_machine
+    from tasks.errors import ComparisonError
+
+    bench = Span("benchmark", "bf16", "w0", "m1", 0.0, 1.0, "aaaa")
+    _same_machine({"hash": "aaaa"}, [bench])
+    with pytest.raises(ComparisonError, match="different fingerprints"):
+        _same_machine({"hash": "aaaa"}, [bench, Span("benchmark", "x", "w1", "m2", 2.0, 3.0, "bbbb")])
+    with pytest.raises(ComparisonError, match="build int8 ran on m1 during the benchmark of bf16"):
+        _same_machine({"hash": "aaaa"}, [bench, Span("build", "int8", "w1", "m1", 0.5, 2.0)])
