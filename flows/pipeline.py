@@ -209,6 +209,9 @@ def report_run(
     project, fingerprint, clock, started = facts
     experiment_id, parent_id = run_ids
     registration = outcome.registration
+    timeline: list[Path] = []
+    with contextlib.suppress(OSError, ValueError):  # the timeline is a picture of the run, not its record
+        timeline = write_timeline(spans, folder)
     context = ReportContext(
         project,
         started,
@@ -218,12 +221,10 @@ def report_run(
         registration.version if registration else None,
         fingerprint,
         clock.line(),
-        [folder / "tradeoff.png", folder / "speed.png"],
+        [folder / "tradeoff.png", folder / "speed.png"] + [p for p in timeline if p.suffix == ".png"],
     )
     try:
-        files = write_run_report(outcome.leaderboard, context, folder)
-        with contextlib.suppress(OSError, ValueError):  # the timeline is a picture of the run, not its record
-            files += write_timeline(spans, folder)
+        files = write_run_report(outcome.leaderboard, context, folder) + timeline
         log_run_report(parent_id, files, clock.metrics())
     except Exception as exc:  # the decision is made and recorded; a report that fails must not undo the run
         get_run_logger().warning(f"run report not written: {exc}")

@@ -3,7 +3,6 @@ evaluate, benchmark every variant) and the rank-and-report tail (validate, rank,
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -153,21 +152,17 @@ def on_benchmark_worker(future, patience_s: float = 60):
     wrapped = getattr(future, "wrapped_future", None)
     if not hasattr(wrapped, "client"):  # this process's thread: nothing to wait for but the task itself
         return future.result()
-    import distributed
-
     waited = 0.0
-    while not wrapped.done():
-        with contextlib.suppress(TimeoutError):  # a failed task is done: result() below raises its error
-            distributed.wait(wrapped, timeout=patience_s)
-        if wrapped.done():
+    while True:
+        try:
+            wrapped.result(timeout=patience_s)
             break
-        waited += patience_s
-        offered = [
-            w
-            for w in wrapped.client.scheduler_info()["workers"].values()
-            if BENCHMARK_RESOURCE in w.get("resources", {})
-        ]
-        if not offered:
+        except TimeoutError:
+            waited += patience_s
+        except Exception:  # the task's own error: result() below raises it, as Prefect reports it
+            break
+        workers = wrapped.client.scheduler_info()["workers"].values()
+        if not any(BENCHMARK_RESOURCE in worker.get("resources", {}) for worker in workers):
             get_run_logger().warning(
                 f"waiting {waited:.0f} s: no worker offers the `{BENCHMARK_RESOURCE}` resource (start one: "
                 "DASK_RESOURCES=benchmark=1 infra/dask-worker.sh, one per benchmark machine)"
