@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import Config
@@ -31,7 +31,6 @@ class Workspace:
     workdir: Path
     store: str | None = None
     worker_dir: str = "~/.cache/llmopt/worker"
-    notes: list[str] = field(default_factory=list)
 
     def local(self, relative: str) -> Path:
         """Where a task on this worker writes `relative` (a build, a saved evaluation)."""
