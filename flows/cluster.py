@@ -4,6 +4,7 @@ through, and the routing that keeps benchmarks on benchmark workers."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,4 +104,21 @@ def on_benchmark_workers(config: Config) -> Iterator[None]:
 
 def on_cluster(flow, config: Config):
     """`flow` with the task runner `cluster` asks for (call it as the flow itself)."""
+    if config.cluster.runner == "dask" and not config.cluster.dask_address:
+        share_prefect_api()
     return flow.with_options(task_runner=task_runner(config))
+
+
+def share_prefect_api() -> None:
+    """Without a Prefect server configured, the flow runs on a temporary one of its own; the workers of a local
+    cluster report to that same one (otherwise every worker process would start a temporary server of its own:
+    a uvicorn each, competing for the cores the builds need, and task runs the flow's API never sees)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # one per process: the flow's client uses this same instance
+    server.start()
+    os.environ["PREFECT_API_URL"] = server.api_url  # inherited by the worker processes started after this

@@ -178,6 +178,17 @@ class QuantizeStep(Strict):
         return self
 
 
+class MixedPrecision(Strict):
+    """int4 with the weight matrices that cost the most accuracy kept at int8, chosen on the calibration split
+    (tasks/build/mixed_precision.py): until the calibration perplexity increase fits the target, or the bytes the
+    budget allows are spent."""
+
+    target_ppl_increase: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.02  # below the gate's budget
+    size_budget: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6  # share of the all-int8 matrices' bytes
+    windows: Annotated[int, Field(ge=1, le=4096)] = 16  # calibration windows the search measures on ...
+    window_tokens: Annotated[int, Field(ge=16, le=8192)] = 256  # ... of this many tokens
+
+
 class OnnxGenAIStep(Strict):
     """Export to ONNX Runtime GenAI with its model builder; int4/int8 are weight-only (MatMulNBits) block-wise."""
 
@@ -187,6 +198,19 @@ class OnnxGenAIStep(Strict):
     symmetric: bool = True
     # 4 = int8 activations inside the int4/int8 MatMuls (VNNI kernels on AVX-512 CPUs); 0 = builder default.
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
+    mixed_precision: MixedPrecision | None = None  # int4 only: keep the most sensitive matrices at int8
+    # int4 only: how weights are rounded. rtn: the builder's round-to-nearest; gptq: GPTQ on the calibration split
+    # onto the same grid (symmetric only), which the builder then stores as is (tasks/build/gptq.py)
+    rounding: Literal["rtn", "gptq"] = "rtn"
+
+    @model_validator(mode="after")
+    def _int4_options(self) -> OnnxGenAIStep:
+        for name in ("mixed_precision", "rounding"):
+            if name in self.model_fields_set and self.precision != "int4":
+                raise ValueError(f"{name} applies to precision int4, not {self.precision}")
+        if self.rounding == "gptq" and not self.symmetric:
+            raise ValueError("rounding: gptq rounds onto the symmetric grid; leave symmetric at true")
+        return self
 
 
 class PruneStep(Strict):

@@ -132,6 +132,11 @@ def check_cluster(config: Config, reach: bool = True) -> None:
             raise ConfigError(
                 f"cluster.dask_address: nothing answers at {cluster.dask_address} ({exc}){hint}"
             ) from None
+    if cluster.runner == "dask" and cluster.dask_address and not _prefect_api_url():
+        raise ConfigError(
+            f"cluster.dask_address: the workers of {cluster.dask_address} need a Prefect server they can reach; "
+            "set PREFECT_API_URL (e.g. http://HOST:4200/api for the server `llmopt services up` starts)"
+        )
     if cluster.store:
         import fsspec
 
@@ -142,6 +147,13 @@ def check_cluster(config: Config, reach: bool = True) -> None:
             raise ConfigError(
                 f"cluster.store: {cluster.store!r} is not a store llmopt can reach ({exc})"
             ) from None
+
+
+def _prefect_api_url() -> str | None:
+    """The Prefect API this process talks to: the environment's or the active profile's PREFECT_API_URL."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
 
 
 def check_dvc_remote(root: Path) -> None:

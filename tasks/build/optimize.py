@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.build.onnx_export import build_onnx_genai
-from tasks.config import Step, VariantConfig
+from tasks.build.onnx_export import build_onnx_genai, weight_bits
+from tasks.config import OnnxGenAIStep, Step, VariantConfig
 from tasks.engines import onnx_genai, pytorch
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
 from tasks.engines.onnx_genai import ONNX_GENAI
 from tasks.engines.torch_weights import HF_SAFETENSORS
 from tasks.errors import ConfigError, ModelSourceError
 from tasks.failpoints import failpoint
-from tasks.inputs.load import PreparedBase
+from tasks.inputs.load import PreparedBase, save_tokenizer
 from tasks.storage import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
 
 
@@ -34,6 +34,7 @@ class BuildContext:
     progress: Callable[[str, int, int], None] | None = None
     tokenizer: Any = None  # the base model's, set when the recipe starts
     history: dict[str, list[float]] = field(default_factory=dict)  # per-step training losses, for MLflow
+    mixed_precision: dict[str, Any] = field(default_factory=dict)  # the int4/int8 plan of a mixed export
 
     def sequences(self, tokenizer: Any, length: int, limit: int | None = None) -> list[list[int]]:
         """The calibration split as token sequences of `length` (the tail shorter than 8 tokens dropped)."""
@@ -185,6 +186,7 @@ def build_variant(
             notes=notes,
             versions=_library_versions(),
             training=context.history,
+            mixed_precision=context.mixed_precision,
             files=files,
         )
         manifest.write(staging)
@@ -229,15 +231,22 @@ def _apply_recipe(
         notes.append(note)
     export = next((step.onnx_genai for step in variant.steps if step.onnx_genai is not None), None)
     if export is not None:
+        plan = _mixed_precision_plan(model, export, context) if export.mixed_precision else None
+        if export.rounding == "gptq":
+            notes.append(_gptq_rounding(model, export, plan, context))
         with tempfile.TemporaryDirectory(prefix="llmopt-export-") as scratch:
-            source = (
-                base_path if not torch_steps else _save_float_model(model, context.tokenizer, Path(scratch))
-            )
-            build_onnx_genai(source, dest, export, Path(scratch) / "builder-cache")
-        AutoTokenizer.from_pretrained(base_path).save_pretrained(dest)
+            changed = torch_steps or export.rounding != "rtn"
+            source = base_path if not changed else _save_float_model(model, context.tokenizer, Path(scratch))
+            options = plan.builder_options() if plan else None
+            build_onnx_genai(source, dest, export, Path(scratch) / "builder-cache", options)
+        save_tokenizer(AutoTokenizer.from_pretrained(base_path), dest)
         note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
+        if plan:
+            _check_plan_applied(plan, dest)
+            context.mixed_precision = plan.to_dict()
+            note += f"; {plan.note()}"
         return ONNX_GENAI, onnx_genai.ENGINE, parameters, [*notes, note]
-    AutoTokenizer.from_pretrained(base_path).save_pretrained(dest)
+    save_tokenizer(AutoTokenizer.from_pretrained(base_path), dest)
     if weights_format != HF_SAFETENSORS:
         from tasks.build.quantize import save_quantized
 
@@ -247,10 +256,58 @@ def _apply_recipe(
     return weights_format, pytorch.ENGINE, parameters, notes
 
 
+def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: BuildContext) -> Any:
+    """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's)."""
+    from tasks.build.mixed_precision import search
+
+    settings = export.mixed_precision
+    windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
+    with _step_arguments("onnx_genai"):
+        return search(
+            model,
+            windows,
+            settings.target_ppl_increase,
+            settings.size_budget,
+            export.block_size,
+            export.symmetric,
+            context.report,
+        )
+
+
+def _gptq_rounding(model: Any, export: OnnxGenAIStep, plan: Any, context: BuildContext) -> str:
+    """GPTQ-round (in place, onto the export's int4 grid) every matrix the export stores at int4."""
+    from tasks.build.gptq import GPTQ_WINDOW_TOKENS, GPTQ_WINDOWS, apply_gptq
+    from tasks.build.mixed_precision import export_matrices
+
+    windows = context.sequences(context.tokenizer, GPTQ_WINDOW_TOKENS, limit=GPTQ_WINDOWS)
+    with _step_arguments("onnx_genai"):
+        matrices = export_matrices(model)
+    keep = set(plan.int8_nodes) if plan else set()
+    rounded = apply_gptq(model, matrices, windows, export.block_size, keep, context.report)
+    tokens = sum(len(ids) for ids in windows)
+    return f"GPTQ rounding of {rounded} of {len(matrices)} matrices on {tokens:,} calibration tokens"
+
+
+def _check_plan_applied(plan: Any, dest: Path) -> None:
+    """The exported graph has int8 exactly where the plan put it (a builder that ignored an override is named)."""
+    exported = weight_bits(dest)
+    wanted = {choice.node: choice.bits for choice in plan.matrices}
+    differing = [node for node, bits in wanted.items() if exported.get(node) != bits]
+    embedding = "/model/embed_tokens/GatherBlockQuantized"
+    if plan.tied_embeddings and wanted.get("/lm_head/MatMul") == 4 and embedding not in exported:
+        differing = [embedding]
+        wanted[embedding] = 4
+    if differing:
+        raise ModelSourceError(
+            f"onnx_genai: the model builder did not apply the mixed-precision plan to {differing[0]} "
+            f"(wanted {wanted[differing[0]]} bits, the graph has {exported.get(differing[0])})"
+        )
+
+
 def _save_float_model(model: Any, tokenizer: Any, folder: Path) -> Path:
     """The changed float model as an HF folder (the ONNX builder reads the tokenizer from it too)."""
     model.save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    save_tokenizer(tokenizer, folder / "model")
     return folder / "model"
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tasks.config import RuntimeSettings
 from tasks.errors import ModelSourceError
@@ -34,6 +35,9 @@ class VariantManifest:
     notes: list[str] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
     training: dict[str, list[float]] = field(default_factory=dict)  # per-step losses (distill, heal)
+    mixed_precision: dict[str, Any] = field(
+        default_factory=dict
+    )  # int4/int8 per matrix and the search's figures
     files: dict[str, str] = field(
         default_factory=dict
     )  # SHA-256 per file (names the damaged one on a mismatch)

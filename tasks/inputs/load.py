@@ -6,6 +6,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tasks.config import ModelConfig
 from tasks.errors import ModelSourceError
@@ -134,7 +135,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.save_pretrained(dest)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dest)
+    save_tokenizer(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), dest)
 
 
 def _save_plain(name_or_path: str, dest: Path, revision: str | None) -> None:
@@ -152,4 +153,21 @@ def _save_plain(name_or_path: str, dest: Path, revision: str | None) -> None:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(f"model.source: cannot load {name_or_path!r}: {first_line}") from exc
     model.save_pretrained(dest)
+    save_tokenizer(tokenizer, dest)
+
+
+# how a tokenizer was loaded, which transformers writes into tokenizer_config.json: HF_HUB_OFFLINE sets
+# local_files_only, so keeping them would make the same model's bytes (and every variant's hash) depend on the shell
+LOADING_KEYS = ("local_files_only", "is_local")
+
+
+def save_tokenizer(tokenizer: Any, dest: Path) -> None:
+    """`tokenizer.save_pretrained(dest)`, without the keys that record how it was loaded rather than what it is."""
     tokenizer.save_pretrained(dest)
+    config_file = dest / "tokenizer_config.json"
+    if config_file.is_file():
+        settings = json.loads(config_file.read_text())
+        if any(key in settings for key in LOADING_KEYS):
+            for key in LOADING_KEYS:
+                settings.pop(key, None)
+            config_file.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")

@@ -104,3 +104,40 @@ def speed_plot(board: Leaderboard, path: Path) -> Path:
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def precision_plot(plan: dict, path: Path) -> Path:
+    """A mixed-precision plan: every exported matrix's predicted loss cost at int4 (what keeping it at int8
+    saves), in graph order, the ones kept at int8 highlighted, with the search's outcome in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matrices = plan["matrices"]
+    figure, axes = plt.subplots(figsize=(max(8.0, len(matrices) * 0.08), 4.5), dpi=110)
+    positions = range(len(matrices))
+    costs = [max(m["int4_cost"] - m["int8_cost"], 1e-9) for m in matrices]
+    colours = ["tab:orange" if m["bits"] == 8 else "tab:blue" for m in matrices]
+    axes.bar(positions, costs, color=colours, width=0.9)
+    axes.set_yscale("log")
+    layers = [i for i, m in enumerate(matrices) if "/qkv_proj/" in m["node"]]
+    axes.set_xticks(layers[:: max(1, len(layers) // 15)])
+    axes.set_xticklabels([matrices[i]["node"].split("/")[2] for i in layers[:: max(1, len(layers) // 15)]])
+    axes.tick_params(axis="x", labelsize=7, rotation=45)
+    axes.set(
+        ylabel="loss saved at int8 (nats/token, predicted)",
+        xlabel="matrices in graph order (per layer: qkv, o, gate, up, down; last: lm_head)",
+    )
+    kept = sum(1 for m in matrices if m["bits"] == 8)
+    axes.set_title(
+        f"{kept} of {len(matrices)} matrices kept at int8 (orange), stopped by {plan['stopped_by']}: calibration "
+        f"perplexity {plan['measured_ppl_increase']:+.1%} (all-int4 {plan['int4_ppl_increase']:+.1%}, target "
+        f"{plan['target_ppl_increase']:+.1%}), {plan['size_ratio']:.0%} of int8's bytes",
+        fontsize=9,
+    )
+    axes.grid(True, axis="y", which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path

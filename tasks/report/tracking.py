@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +17,7 @@ from tasks.engines.manifest import VariantManifest
 from tasks.errors import exception_chain
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
-from tasks.report.plots import speed_plot, tradeoff_plot
+from tasks.report.plots import precision_plot, speed_plot, tradeoff_plot
 
 
 def tracking_uri(cfg: TrackingConfig, root: Path) -> str:
@@ -256,6 +257,7 @@ def log_variant_run(
         "peak_rss_mb": bench.peak_rss_mb,
         "size_mb": manifest.size_bytes / 1e6,
         "parameters": manifest.parameters,
+        **_mixed_precision_metrics(manifest.mixed_precision),
     }
     curves = [
         Metric(key, float(value), 0, step)
@@ -273,8 +275,26 @@ def log_variant_run(
     client.log_dict(run.info.run_id, asdict(bench), "benchmark.json")
     client.log_dict(run.info.run_id, asdict(evaluation.perplexity), "evaluation.json")
     client.log_dict(run.info.run_id, asdict(evaluation.agreement), "agreement.json")
+    if manifest.mixed_precision:
+        client.log_dict(run.info.run_id, manifest.mixed_precision, "mixed_precision.json")
+        with tempfile.TemporaryDirectory() as scratch:
+            picture = precision_plot(manifest.mixed_precision, Path(scratch) / "mixed_precision.png")
+            client.log_artifact(run.info.run_id, str(picture))
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
+
+
+def _mixed_precision_metrics(plan: dict[str, Any]) -> dict[str, float]:
+    """The search's figures on the calibration split (the evaluation's perplexity is logged beside them)."""
+    if not plan:
+        return {}
+    return {
+        "mixed_precision.int8_matrices": sum(1 for m in plan["matrices"] if m["bits"] == 8),
+        "mixed_precision.calibration_ppl_increase": plan["measured_ppl_increase"],
+        "mixed_precision.predicted_ppl_increase": plan["predicted_ppl_increase"],
+        "mixed_precision.int4_ppl_increase": plan["int4_ppl_increase"],
+        "mixed_precision.size_ratio": plan["size_ratio"],
+    }
 
 
 # Weight bits of each quantization method (what the MLflow compare view plots precision against speed with).

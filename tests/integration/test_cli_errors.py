@@ -164,6 +164,10 @@ CATALOGUE = {
         step_variant({"onnx_genai": {"precision": "int4", "block_size": 48}}),
         "variants.v.steps[0].onnx_genai.block_size: Input should be 16, 32",
     ),
+    "mixed precision on an int8 export": Case(
+        step_variant({"onnx_genai": {"precision": "int8", "mixed_precision": {}}}),
+        "mixed_precision applies to precision int4, not int8",
+    ),
     "batch sizes without 1": Case(
         setting("benchmark", batch_sizes=[2, 4]), "benchmark: batch_sizes must include 1"
     ),

@@ -172,8 +172,13 @@ def test_spelling_out_a_default_is_part_of_the_recipe_but_builds_the_same_settin
 def test_step_defaults_are_declared_on_the_config_models_and_none_only_means_off():
     sections = (QuantizeStep, OnnxGenAIStep, PruneStep, DistillStep, RuntimeSettings)
     nullable = {f"{c.__name__}.{n}" for c in sections for n, f in c.model_fields.items() if f.default is None}
-    # a student depth by layer count (else keep_every), no sliding window, threads from target.threads
-    assert nullable == {"DistillStep.layers", "RuntimeSettings.sliding_window", "RuntimeSettings.threads"}
+    # a student depth by layer count (else keep_every), no sliding window, threads from target.threads, all-int4
+    assert nullable == {
+        "DistillStep.layers",
+        "RuntimeSettings.sliding_window",
+        "RuntimeSettings.threads",
+        "OnnxGenAIStep.mixed_precision",
+    }
 
 
 def test_a_setting_of_another_quantization_method_is_refused(tmp_path):

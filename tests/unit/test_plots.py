@@ -2,7 +2,7 @@ from dataclasses import replace
 
 from tasks.config import SelectConfig
 from tasks.decide.select import build_leaderboard
-from tasks.report.plots import speed_plot, tradeoff_plot
+from tasks.report.plots import precision_plot, speed_plot, tradeoff_plot
 from tests.unit.test_select import score
 
 
@@ -25,3 +25,22 @@ def test_speed_plot_draws_batches_and_prompt_lengths(tmp_path):
     path = speed_plot(board, tmp_path / "speed.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 20_000
+
+
+def test_precision_plot_draws_every_matrix_of_a_mixed_precision_plan(tmp_path):
+    nodes = [f"/model/layers.{i}/{p}/MatMul" for i in range(2) for p in ("attn/qkv_proj", "attn/o_proj")]
+    matrices = [
+        {"node": node, "bits": 8 if i == 1 else 4, "int4_cost": 0.01 * (i + 1), "int8_cost": 1e-5}
+        for i, node in enumerate([*nodes, "/lm_head/MatMul"])
+    ]
+    plan = {
+        "matrices": matrices,
+        "stopped_by": "target met",
+        "measured_ppl_increase": 0.015,
+        "int4_ppl_increase": 0.3,
+        "target_ppl_increase": 0.02,
+        "size_ratio": 0.58,
+    }
+    path = precision_plot(plan, tmp_path / "mixed_precision.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000

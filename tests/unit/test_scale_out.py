@@ -107,6 +107,22 @@ def test_cluster_settings_are_checked():
         Config(variants={"baseline": {}}, services={"prefect_worker": True})
 
 
+def test_a_remote_cluster_needs_a_prefect_server_its_workers_can_reach():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.errors import ConfigError
+    from tasks.preflight import check_cluster
+
+    config = Config(variants={"baseline": {}}, cluster={"runner": "dask", "dask_address": "tcp://h:8786"})
+    with (
+        temporary_settings(updates={PREFECT_API_URL: None}),
+        pytest.raises(ConfigError, match="PREFECT_API_URL"),
+    ):
+        check_cluster(config, reach=False)
+    with temporary_settings(updates={PREFECT_API_URL: "http://h:4200/api"}):
+        check_cluster(config, reach=False)
+
+
 def test_the_local_runner_runs_one_task_at_a_time():
     runner = task_runner(Config(variants={"baseline": {}}))
     assert type(runner).__name__ == "ThreadPoolTaskRunner" and runner._max_workers == 1

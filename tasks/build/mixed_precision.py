@@ -1,0 +1,316 @@
+"""Accuracy-aware mixed precision for the int4 ONNX export: which weight matrices stay int8.
+
+Starting from all-int4, every matrix the model builder quantizes (one MatMulNBits node: a layer's fused q/k/v, its
+o_proj, gate, up, down, and the lm_head) gets two costs on the calibration split only:
+- the loss increase it causes at int4 and at int8, predicted from the diagonal of the empirical Fisher
+  information (squared per-window gradients) times the squared rounding error of the simulated grid, the way
+  Fisher-weighted mixed-precision methods rank layers;
+- the bytes it adds at int8.
+The prediction is scaled to the all-int4 loss increase actually measured, then matrices are kept at int8 in order of
+loss saved per byte until the predicted perplexity increase fits `target_ppl_increase` or the size budget is spent.
+Each plan is measured again on the calibration windows and the search goes on while the measurement misses the
+target. The evaluation split is never seen here: the build step receives the calibration split only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCALE_BYTES = 4  # the builder's MatMulNBits scales are in the float32 I/O type on CPU
+VERIFY_ROUNDS = 8  # measured plans before the search stops adding matrices
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One MatMulNBits node of the export and the torch weights it is built from."""
+
+    node: str  # the model builder's node name, e.g. /model/layers.3/attn/qkv_proj/MatMul
+    modules: tuple[str, ...]  # torch module names whose weights it holds (q, k, v are fused into one node)
+    parameters: int
+
+
+@dataclass
+class MatrixChoice:
+    node: str
+    bits: int
+    parameters: int
+    int4_cost: (
+        float  # predicted loss increase (nats/token) at int4, after scaling to the measured all-int4 increase
+    )
+    int8_cost: float
+    extra_bytes: int  # what keeping it at int8 adds
+
+
+@dataclass
+class PrecisionPlan:
+    """The search's outcome: the per-matrix bits and the figures it was chosen on (all on calibration windows)."""
+
+    target_ppl_increase: float
+    size_budget: float  # share of the all-int8 weight bytes the plan may use
+    calibration_tokens: int
+    fp32_loss: float
+    int4_ppl_increase: float  # measured, every matrix at int4
+    predicted_ppl_increase: float  # of the chosen plan
+    measured_ppl_increase: float  # of the chosen plan
+    size_ratio: float  # the plan's weight bytes / the all-int8 weight bytes (matrices only)
+    stopped_by: str  # "target met", "size budget", "no matrix left"
+    tied_embeddings: (
+        bool  # the lm_head's table is the embedding's (stored once, int4, while the lm_head is int4)
+    )
+    matrices: list[MatrixChoice] = field(default_factory=list)
+
+    @property
+    def int8_nodes(self) -> list[str]:
+        return [m.node for m in self.matrices if m.bits == 8]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def builder_options(self) -> dict[str, Any]:
+        """`--target_options` of ONNX Runtime GenAI's model builder: these nodes at int8, the rest at int4."""
+        overrides = [{"match": {"name": node}, "type": "int8"} for node in self.int8_nodes]
+        # op_types named, or the structured config quantizes MatMuls only and a tied embedding is stored float32
+        return {"quant_config": {"weights": {"op_types": ["MatMul", "Gather"], "overrides": overrides}}}
+
+    def note(self) -> str:
+        kept = len(self.int8_nodes)
+        return (
+            f"mixed precision: {kept} of {len(self.matrices)} matrices kept at int8 (stopped by {self.stopped_by}); "
+            f"calibration perplexity +{self.measured_ppl_increase:.1%} measured (+{self.predicted_ppl_increase:.1%} "
+            f"predicted, +{self.int4_ppl_increase:.1%} all-int4), {self.size_ratio:.0%} of int8's weight bytes"
+        )
+
+
+def export_matrices(model: Any) -> list[Matrix]:
+    """The MatMulNBits nodes the model builder makes for a Llama-style decoder, in graph order."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
+        raise ValueError(
+            f"mixed_precision: supports Llama-style decoders (model.layers[i].self_attn/.mlp), not "
+            f"{type(model).__name__}"
+        )
+    names = {module: name for name, module in model.named_modules()}
+    matrices = []
+
+    def add(node: str, modules: list[Any]) -> None:
+        parameters = sum(module.weight.numel() for module in modules)
+        matrices.append(Matrix(node, tuple(names[module] for module in modules), parameters))
+
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        add(f"/model/layers.{i}/attn/qkv_proj/MatMul", [attn.q_proj, attn.k_proj, attn.v_proj])
+        add(f"/model/layers.{i}/attn/o_proj/MatMul", [attn.o_proj])
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            add(f"/model/layers.{i}/mlp/{projection}/MatMul", [getattr(mlp, projection)])
+    add("/lm_head/MatMul", [model.lm_head])
+    return matrices
+
+
+def fake_quantize(weight: Any, bits: int, block: int, symmetric: bool) -> Any:
+    """`weight` (out × in) rounded to the MatMulNBits grid: blocks of `block` inputs, one scale each (symmetric:
+    the largest magnitude maps to the most negative level, as onnxruntime's blockwise quantizer does)."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, columns = weight.shape
+    padded = F.pad(weight.detach().float(), (0, (-columns) % block)).reshape(rows, -1, block)
+    if symmetric:
+        levels = 2 ** (bits - 1)
+        peak = padded.gather(-1, padded.abs().argmax(-1, keepdim=True))
+        scale = peak / -levels
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        rounded = (padded / scale).round().clamp(-levels, levels - 1) * scale
+    else:
+        top = 2**bits - 1
+        low, high = padded.amin(-1, keepdim=True).clamp(max=0), padded.amax(-1, keepdim=True).clamp(min=0)
+        scale = (high - low) / top
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        zero = (-low / scale).round().clamp(0, top)
+        rounded = ((padded / scale).round() + zero).clamp(0, top).sub(zero) * scale
+    return rounded.reshape(rows, -1)[:, :columns].to(weight.dtype)
+
+
+def matrix_bytes(parameters: int, bits: int, block: int, symmetric: bool) -> int:
+    blocks = math.ceil(parameters / block)
+    zero_points = 0 if symmetric else math.ceil(blocks * bits / 8)
+    return parameters * bits // 8 + blocks * SCALE_BYTES + zero_points
+
+
+def search(
+    model: Any,
+    windows: list[list[int]],
+    target_ppl_increase: float,
+    size_budget: float,
+    block: int,
+    symmetric: bool,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> PrecisionPlan:
+    """The per-matrix precision plan for `model` (left as it was) from the calibration `windows`."""
+    import torch
+
+    if not windows:
+        raise ValueError("mixed_precision: the calibration split gave no token windows")
+    matrices = export_matrices(model)
+    modules = dict(model.named_modules())
+    originals = {name: modules[name].weight.detach().clone() for m in matrices for name in m.modules}
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+
+    def report(label: str, done: int, total: int) -> None:
+        if progress is not None:
+            progress(label, done, total)
+
+    def set_bits(plan: dict[str, int]) -> None:
+        with torch.no_grad():
+            for matrix in matrices:
+                for name in matrix.modules:
+                    weight = modules[name].weight
+                    bits = plan.get(matrix.node)
+                    source = originals[name]
+                    weight.copy_(source if bits is None else fake_quantize(source, bits, block, symmetric))
+
+    def loss() -> float:
+        total, tokens = 0.0, 0
+        with torch.no_grad():
+            for ids in windows:
+                batch = torch.tensor([ids])
+                total += model(input_ids=batch, labels=batch).loss.item() * (len(ids) - 1)
+                tokens += len(ids) - 1
+        return total / tokens
+
+    was_training = model.training
+    model.eval()
+    try:
+        fisher = _fisher_diagonal(
+            model, windows, modules, originals, lambda i, n: report("sensitivity", i, n)
+        )
+        costs = {}
+        for matrix in matrices:
+            per_bits = []
+            for bits in (4, 8):
+                error = sum(
+                    (
+                        fisher[name]
+                        * (fake_quantize(originals[name], bits, block, symmetric) - originals[name]) ** 2
+                    )
+                    .sum()
+                    .item()
+                    for name in matrix.modules
+                )
+                per_bits.append(error / 2)
+            costs[matrix.node] = per_bits
+        base_loss = loss()
+        all_int4 = {m.node: 4 for m in matrices}
+        set_bits(all_int4)
+        int4_loss = loss()
+        predicted_all = sum(c4 for c4, _ in costs.values())
+        scale = max((int4_loss - base_loss) / predicted_all, 0.0) if predicted_all > 0 else 1.0
+
+        extra = {}
+        for matrix in matrices:
+            added = matrix_bytes(matrix.parameters, 8, block, symmetric) - matrix_bytes(
+                matrix.parameters, 4, block, symmetric
+            )
+            if tied and matrix.node == "/lm_head/MatMul":
+                # the builder shares the int4 embedding with an int4 lm_head only: an int8 lm_head leaves the
+                # embedding table unquantized (float32)
+                added += matrix.parameters * 4 - matrix_bytes(matrix.parameters, 4, block, symmetric)
+            extra[matrix.node] = added
+        int8_bytes = sum(matrix_bytes(m.parameters, 8, block, symmetric) for m in matrices)
+        int4_bytes = sum(matrix_bytes(m.parameters, 4, block, symmetric) for m in matrices)
+        budget = size_budget * int8_bytes - int4_bytes
+
+        saved = {node: scale * (c4 - c8) for node, (c4, c8) in costs.items()}
+        order = sorted(
+            (m for m in matrices if saved[m.node] > 0),
+            key=lambda m: saved[m.node] / extra[m.node],
+            reverse=True,
+        )
+        target_loss = math.log1p(target_ppl_increase)
+        plan, spent, position, skipped = dict(all_int4), 0, 0, False
+        predicted = measured = int4_loss - base_loss
+        stopped_by = f"{VERIFY_ROUNDS} measured plans"
+        for round_ in range(VERIFY_ROUNDS):
+            report("mixed precision", round_, VERIFY_ROUNDS)
+            while predicted > target_loss and position < len(order):
+                matrix, position = order[position], position + 1
+                if spent + extra[matrix.node] > budget:
+                    skipped = True  # does not fit; a smaller one further down may
+                    continue
+                plan[matrix.node], spent = 8, spent + extra[matrix.node]
+                predicted -= saved[matrix.node]
+            set_bits(plan)
+            measured = loss() - base_loss
+            if measured <= target_loss:
+                stopped_by = "target met"
+                break
+            if position >= len(order):
+                stopped_by = "size budget" if skipped else "no matrix left"
+                break
+            predicted = measured  # the prediction was optimistic: go on from the measurement
+        report("mixed precision", VERIFY_ROUNDS, VERIFY_ROUNDS)
+        predicted = int4_loss - base_loss - sum(saved[node] for node, bits in plan.items() if bits == 8)
+    finally:
+        set_bits({})
+        model.train(was_training)
+
+    choices = [
+        MatrixChoice(
+            m.node,
+            plan[m.node],
+            m.parameters,
+            scale * costs[m.node][0],
+            scale * costs[m.node][1],
+            extra[m.node],
+        )
+        for m in matrices
+    ]
+    return PrecisionPlan(
+        target_ppl_increase=target_ppl_increase,
+        size_budget=size_budget,
+        calibration_tokens=sum(len(ids) for ids in windows),
+        fp32_loss=base_loss,
+        int4_ppl_increase=math.expm1(int4_loss - base_loss),
+        predicted_ppl_increase=math.expm1(max(predicted, 0.0)),
+        measured_ppl_increase=math.expm1(measured),
+        size_ratio=(int4_bytes + spent) / int8_bytes,
+        stopped_by=stopped_by,
+        tied_embeddings=tied,
+        matrices=choices,
+    )
+
+
+def _fisher_diagonal(
+    model: Any,
+    windows: list[list[int]],
+    modules: dict[str, Any],
+    originals: dict[str, Any],
+    progress: Callable[[int, int], None],
+) -> dict[str, Any]:
+    """Mean squared per-window gradient of the loss for every weight the export quantizes."""
+    import torch
+
+    weights = {name: modules[name].weight for name in originals}
+    fisher = {name: torch.zeros_like(weight) for name, weight in weights.items()}
+    requires = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
+    for parameter, _ in requires:
+        parameter.requires_grad_(False)
+    for weight in weights.values():
+        weight.requires_grad_(True)
+    try:
+        for i, ids in enumerate(windows):
+            progress(i, len(windows))
+            batch = torch.tensor([ids])
+            gradients = torch.autograd.grad(
+                model(input_ids=batch, labels=batch).loss, list(weights.values()), allow_unused=True
+            )
+            for name, gradient in zip(weights, gradients, strict=True):
+                if gradient is not None:
+                    fisher[name] += gradient.detach() ** 2 / len(windows)
+        progress(len(windows), len(windows))
+    finally:
+        for parameter, required in requires:
+            parameter.requires_grad_(required)
+    return fisher
