@@ -145,6 +145,8 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
     from tasks.store import FolderStore
 
     root, params, env = cluster
+    # a remote cluster reports to a Prefect server its workers reach (pre-flight refuses it without one)
+    env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{params['services']['prefect_port']}/api"}
     marker = tmp_path / "killed"
     fresh = {
         "worker_dir": str(tmp_path / "workers"),
