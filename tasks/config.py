@@ -213,6 +213,32 @@ class OnnxGenAIStep(Strict):
         return self
 
 
+GgufType = Literal[
+    "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS", "shipped"
+]
+
+
+class LlamaCppStep(Strict):
+    """Convert to GGUF with llama.cpp's converter and quantize with llama.cpp (tasks/build/gguf.py); the variant
+    then runs in llama.cpp. `shipped`: the source model's own GGUF as distributed, unchanged: the peer row, which
+    shows what a user gets without llmopt and is measured but never selected."""
+
+    RECORDED_DEFAULTS = frozenset({"type"})
+    type: GgufType = "Q4_K_M"  # llama.cpp's file types (K-quant mixes keep sensitive tensors at more bits)
+    # an importance matrix (mean squared activation of every input column) measured on the calibration split:
+    # the quantizer then rounds to protect the columns that matter (K-quants, Q4_0 and IQ4 types use it)
+    imatrix: bool = False
+    imatrix_windows: Annotated[int, Field(ge=1, le=4096)] = 32  # calibration windows of 256 tokens it sees
+
+    @model_validator(mode="after")
+    def _shipped_is_as_is(self) -> LlamaCppStep:
+        if self.type == "shipped" and {"imatrix", "imatrix_windows"} & self.model_fields_set:
+            raise ValueError("type shipped is the source's GGUF unchanged; imatrix does not apply")
+        if "imatrix_windows" in self.model_fields_set and not self.imatrix:
+            raise ValueError("imatrix_windows applies only with imatrix: true")
+        return self
+
+
 class PruneStep(Strict):
     """Magnitude pruning: `unstructured` zeros weights (same size and speed without sparse kernels); `structured`
     removes MLP neurons / grouped-query attention groups, the same number in every layer (smaller matrices)."""
@@ -284,6 +310,7 @@ class Step(Strict):
     distill: DistillStep | None = None
     quantize: QuantizeStep | None = None
     onnx_genai: OnnxGenAIStep | None = None
+    llama_cpp: LlamaCppStep | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Step:
@@ -337,21 +364,32 @@ class VariantConfig(Strict):
             raise ValueError("prune and distill work on float weights; put them before quantize")
         if "quantize" in kinds and self.runtime.dtype != "float32":
             raise ValueError("quantize steps set their own compute precision; leave runtime.dtype at float32")
-        if "onnx_genai" in kinds:
-            if kinds.index("onnx_genai") != len(kinds) - 1:
-                raise ValueError("onnx_genai changes the engine and must be the last step")
+        for export, engine in (("onnx_genai", "ONNX Runtime GenAI"), ("llama_cpp", "llama.cpp")):
+            if export not in kinds:
+                continue
+            if kinds.index(export) != len(kinds) - 1 or kinds.count(export) > 1:
+                raise ValueError(f"{export} changes the engine and must be the last step")
             if "quantize" in kinds:
                 raise ValueError(
-                    "onnx_genai exports a float model; use its own precision instead of torch quantize"
+                    f"{export} exports a float model; use its own precision instead of torch quantize"
                 )
+            if {"onnx_genai", "llama_cpp"} <= set(kinds):
+                raise ValueError("onnx_genai and llama_cpp each export the model; a variant has one engine")
             if self.runtime.dtype != "float32":
-                raise ValueError("onnx_genai sets its own precision; leave runtime.dtype at float32")
+                raise ValueError(f"{export} sets its own precision; leave runtime.dtype at float32")
             if self.runtime.torch_only():
                 raise ValueError(
-                    f"runtime.{self.runtime.torch_only()[0]} applies to the torch engine; onnx_genai variants "
-                    "run in ONNX Runtime GenAI (only runtime.threads applies there)"
+                    f"runtime.{self.runtime.torch_only()[0]} applies to the torch engine; {export} variants "
+                    f"run in {engine} (only runtime.threads applies there)"
                 )
+        if self.peer and len(self.steps) > 1:
+            raise ValueError("llama_cpp type shipped is the source's own GGUF; it takes no other steps")
         return self
+
+    @property
+    def peer(self) -> bool:
+        """The source model's own GGUF as shipped: measured beside the variants, never selected or promoted."""
+        return is_peer_recipe(self.recipe())
 
     def recipe(self) -> dict[str, Any]:
         """The recipe as the user wrote it, as plain data (see `Strict.RECORDED_DEFAULTS`)."""
@@ -361,6 +399,11 @@ class VariantConfig(Strict):
         """Content hash of the recipe: same recipe, same hash, whatever the variant is called."""
         canonical = json.dumps(self.recipe(), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def is_peer_recipe(recipe: dict[str, Any]) -> bool:
+    """Whether a recorded recipe is the peer row (the source's own GGUF, `llama_cpp: {type: shipped}`)."""
+    return any((step.get("llama_cpp") or {}).get("type") == "shipped" for step in recipe.get("steps", []))
 
 
 class TrackingConfig(Strict):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.config import Config
-from tasks.errors import TargetError
+from tasks.config import Config, Step
+from tasks.errors import LlmoptError, TargetError
 
 
 def target_problems(config: Config, cuda_available: bool) -> list[str]:
@@ -43,11 +43,34 @@ def target_problems(config: Config, cuda_available: bool) -> list[str]:
                     "kernels and calibration are CUDA-only; its sdist does not build here); use onnx_genai int4 "
                     "or quanto_w4a16 on cpu"
                 )
+            if step.llama_cpp is not None:
+                problems += _llama_cpp_problems(f"variants.{name}.steps[{index}].llama_cpp", step, config)
         if runtime.engine == "tensorrt_llm":
             problems.append(
                 f"{where}.engine: tensorrt_llm needs an NVIDIA GPU target and is not built by llmopt yet; "
                 "use onnx_genai steps (the fastest CPU engine) or the torch engine"
             )
+    return problems
+
+
+def _llama_cpp_problems(where: str, step: Step, config: Config) -> list[str]:
+    import importlib.util
+
+    from tasks.build.gguf import shipped_gguf
+
+    problems = []
+    if importlib.util.find_spec("llama_cpp") is None:
+        problems.append(
+            f"{where}: needs llama-cpp-python, which is not installed; run `make install` (it builds llama.cpp "
+            "once per machine, ~5 min on 2 cores)"
+        )
+    if step.llama_cpp.type == "shipped":
+        try:
+            shipped_gguf(config.model.source)
+        except ValueError as exc:
+            problems.append(f"{where}.{exc}")
+        except LlmoptError:
+            pass  # the model source itself is missing: pre-flight's model check names it
     return problems
 
 

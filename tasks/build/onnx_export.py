@@ -30,7 +30,10 @@ def build_onnx_genai(
         options_file.write_text(json.dumps(target_options))
         command += ["--target_options", str(options_file)]
     command += ["--extra_options", *options]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    # GIT_DIR: the builder stamps `git rev-parse HEAD` of the folder above its install into the graph's
+    # producer_version, which is this project when .venv lives in it: without this, every commit changed the bytes
+    env = {**os.environ, "TQDM_DISABLE": "1", "GIT_DIR": os.devnull}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
         raise ModelSourceError(f"onnx_genai: the model builder failed on {source}: {tail}")

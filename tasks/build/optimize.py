@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from tasks.build.onnx_export import build_onnx_genai, weight_bits
-from tasks.config import OnnxGenAIStep, Step, VariantConfig
-from tasks.engines import onnx_genai, pytorch
+from tasks.config import LlamaCppStep, OnnxGenAIStep, Step, VariantConfig
+from tasks.engines import llama_cpp, onnx_genai, pytorch
+from tasks.engines.llama_cpp import GGUF
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
 from tasks.engines.onnx_genai import ONNX_GENAI
 from tasks.engines.torch_weights import HF_SAFETENSORS
@@ -35,6 +36,7 @@ class BuildContext:
     tokenizer: Any = None  # the base model's, set when the recipe starts
     history: dict[str, list[float]] = field(default_factory=dict)  # per-step training losses, for MLflow
     mixed_precision: dict[str, Any] = field(default_factory=dict)  # the int4/int8 plan of a mixed export
+    source: str = ""  # the model source (params.yaml model.source): where a shipped GGUF comes from
 
     def sequences(self, tokenizer: Any, length: int, limit: int | None = None) -> list[list[int]]:
         """The calibration split as token sequences of `length` (the tail shorter than 8 tokens dropped)."""
@@ -128,6 +130,8 @@ STEP_APPLIERS: dict[str, Callable[[Any, Step, BuildContext], tuple[Any, str, str
 }
 
 
+EXPORT_STEPS = ("onnx_genai", "llama_cpp")  # steps that hand the model to another engine (always last)
+
 # What writes a variant's bytes: the build steps and the weights formats they save.
 BUILDER_MODULES = ("tasks.build", "tasks.engines.torch_weights", "tasks.engines.manifest")
 
@@ -162,7 +166,7 @@ def build_variant(
     if existing is not None:
         return existing
     checkpoints = out_dir.with_name(out_dir.name + ".checkpoint") / build_key[:16]
-    context = BuildContext(list(calibration or []), checkpoints, progress)
+    context = BuildContext(list(calibration or []), checkpoints, progress, source=base.source)
     with staged_folder(out_dir) as staging:  # nothing half-built stays behind (checkpoints do)
         try:
             weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging, context)
@@ -222,13 +226,18 @@ def _apply_recipe(
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False)
     context.tokenizer = AutoTokenizer.from_pretrained(base_path)
     weights_format, notes = HF_SAFETENSORS, []
-    torch_steps = [step for step in variant.steps if step.kind != "onnx_genai"]
+    torch_steps = [step for step in variant.steps if step.kind not in EXPORT_STEPS]
     parameters = sum(p.numel() for p in model.parameters())
     for step in torch_steps:
         model, weights_format, note = STEP_APPLIERS[step.kind](model, step, context)
         if step.kind != "quantize":  # quantized modules hide their weights from .parameters()
             parameters = sum(p.numel() for p in model.parameters())
         notes.append(note)
+    gguf_step = next((step.llama_cpp for step in variant.steps if step.llama_cpp is not None), None)
+    if gguf_step is not None:
+        notes.append(_gguf_export(model, gguf_step, base_path, dest, context, changed=bool(torch_steps)))
+        save_tokenizer(AutoTokenizer.from_pretrained(base_path), dest)
+        return GGUF, llama_cpp.ENGINE, parameters, notes
     export = next((step.onnx_genai for step in variant.steps if step.onnx_genai is not None), None)
     if export is not None:
         plan = _mixed_precision_plan(model, export, context) if export.mixed_precision else None
@@ -254,6 +263,35 @@ def _apply_recipe(
     else:
         model.to(getattr(torch, variant.runtime.dtype)).save_pretrained(dest)
     return weights_format, pytorch.ENGINE, parameters, notes
+
+
+def _gguf_export(
+    model: Any, step: LlamaCppStep, base_path: Path, dest: Path, context: BuildContext, changed: bool
+) -> str:
+    """The model as a llama.cpp GGUF of `step.type` in `dest` (the shipped file as is for `shipped`)."""
+    from tasks.build import gguf
+
+    if step.type == "shipped":
+        with _step_arguments("llama_cpp"):
+            shipped = gguf.shipped_gguf(context.source)
+        shutil.copyfile(shipped, dest / llama_cpp.MODEL_FILE)
+        return f"llama.cpp, the source's own GGUF as shipped ({shipped.name}): the peer row, never selected"
+    with tempfile.TemporaryDirectory(prefix="llmopt-gguf-") as scratch:
+        source = _save_float_model(model, context.tokenizer, Path(scratch)) if changed else base_path
+        f32 = Path(scratch) / "model-f32.gguf"
+        caveat = gguf.convert_to_gguf(source, f32)
+        imatrix, note = None, f"llama.cpp {step.type}"
+        if step.imatrix:
+            windows = context.sequences(
+                context.tokenizer, gguf.IMATRIX_WINDOW_TOKENS, limit=step.imatrix_windows
+            )
+            imatrix = gguf.importance_matrix(model, windows, context.report)
+            note += f", importance matrix of {len(imatrix)} tensors from {sum(map(len, windows)):,} calibration tokens"
+        if step.type == "F32":
+            shutil.move(f32, dest / llama_cpp.MODEL_FILE)
+        else:
+            gguf.quantize_gguf(f32, dest / llama_cpp.MODEL_FILE, step.type, imatrix)
+    return f"{note}; {caveat}" if caveat else note
 
 
 def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: BuildContext) -> Any:
@@ -322,6 +360,7 @@ def _library_versions() -> dict[str, str]:
         "torchao",
         "optimum-quanto",
         "bitsandbytes",
+        "llama-cpp-python",
     ):
         try:
             versions[package] = metadata.version(package)

@@ -102,6 +102,7 @@ def register_variant(
 
 def model_requirements(manifest: VariantManifest) -> list[str]:
     """Pinned pip requirements of a registered variant: the serving packages plus its weights format's backend."""
+    from tasks.engines.llama_cpp import GGUF
     from tasks.engines.torch_weights import QUANTO, TRANSFORMERS_QUANTIZED
 
     packages = list(SERVING_PACKAGES)
@@ -112,6 +113,8 @@ def model_requirements(manifest: VariantManifest) -> list[str]:
         packages += ["accelerate", "torchao" if methods[0].startswith("torchao") else "bitsandbytes"]
     if manifest.recipe.get("runtime", {}).get("engine") == "deepspeed":
         packages.append("deepspeed")
+    if manifest.weights_format == GGUF:  # no wheel on PyPI for most platforms: pip builds llama.cpp (minutes)
+        packages.append("llama-cpp-python")
     # a local label such as +cpu is dropped: `==2.13.0` accepts the CPU wheel here and the PyPI release elsewhere
     return [f"{package}=={metadata.version(package).split('+')[0]}" for package in packages]
 

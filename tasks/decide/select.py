@@ -8,7 +8,7 @@ import io
 import json
 from dataclasses import asdict, dataclass, replace
 
-from tasks.config import SelectConfig
+from tasks.config import SelectConfig, is_peer_recipe
 from tasks.decide.frontier import Objective, pareto_frontier
 from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
 from tasks.engines.manifest import VariantManifest
@@ -38,6 +38,7 @@ class VariantScore:
     ttft_ms_by_prompt: tuple[tuple[int, float], ...] = ()  # (prompt tokens, median TTFT ms)
     latency_p95_ms: float = float("nan")  # end-to-end, fixed request set
     roofline_fraction: float = float("nan")  # decode tok/s ÷ (memory bandwidth ÷ weight bytes)
+    peer: bool = False  # the source's own GGUF as shipped: on the leaderboard for comparison, never selected
 
     def top_batch(self) -> tuple[int, float]:
         """(largest measured batch size, its aggregate decode tok/s)."""
@@ -73,6 +74,7 @@ def variant_score(
         ttft_ms_by_prompt=tuple(sorted(bench.ttft_ms_by_prompt.items())),
         latency_p95_ms=bench.latency_ms["p95"],
         roofline_fraction=roofline_fraction(bench.decode_tok_s, bench.decode_read_bytes, bandwidth_gbs),
+        peer=is_peer_recipe(manifest.recipe),
     )
 
 
@@ -282,6 +284,8 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
     is_baseline = score.variant == cfg.baseline
     within_budget = is_baseline or (interval.high <= 1 + cfg.max_ppl_increase and not significantly_worse)
     failures = [] if within_budget else [_accuracy_failure(interval.high, cloze.p_value, cfg)]
+    if score.peer:
+        failures.insert(0, PEER_FAILURE)
     speedup = score.speed(cfg.objective) / base.speed(cfg.objective)
     return LeaderboardRow(
         score=score,
@@ -294,6 +298,9 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
         within_budget=within_budget,
         failures=tuple(failures + constraint_failures(score, speedup, cfg)),
     )
+
+
+PEER_FAILURE = "peer row (the source's own GGUF as shipped): measured for comparison, never selected"
 
 
 def _accuracy_failure(ppl_high: float, cloze_p: float, cfg: SelectConfig) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.engines import onnx_genai, pytorch
+from tasks.engines import llama_cpp, onnx_genai, pytorch
 from tasks.engines.contract import Runtime
 from tasks.engines.manifest import verify_variant
 from tasks.errors import ModelSourceError
@@ -16,6 +16,7 @@ from tasks.errors import ModelSourceError
 ENGINES: dict[str, type[Runtime]] = {
     pytorch.ENGINE: pytorch.TorchRuntime,
     onnx_genai.ENGINE: onnx_genai.OrtGenAIRuntime,
+    llama_cpp.ENGINE: llama_cpp.LlamaCppRuntime,
 }
 
 __all__ = ["ENGINES", "Runtime", "load_runtime"]

@@ -125,6 +125,18 @@ class BatchDecoder(abc.ABC):
         """How many sequences are being decoded."""
 
 
+def next_token_nll(logits: Any, ids: list[int]) -> tuple[float, int]:
+    """`score`'s result for one sequence from its per-position logits [n or more, vocab] (numpy, any float type):
+    row i predicts token i + 1; computed in float64."""
+    import numpy as np
+
+    targets = np.asarray(ids[1:], dtype=np.int64)
+    logits = np.asarray(logits[: len(targets)], dtype=np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(shifted).sum(axis=-1))
+    return float((log_norm - shifted[np.arange(len(targets)), targets]).sum()), len(targets)
+
+
 def cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:
     """A finished sequence in a batch keeps being padded; keep it up to and including its end-of-sequence token."""
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, Runtime
+from tasks.engines.contract import BatchDecoder, Runtime, next_token_nll
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ModelSourceError
 
@@ -56,15 +56,10 @@ class OrtGenAIRuntime(Runtime):
         return generator
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
-        results = []
-        for ids in sequences:
-            logits = self._generator([ids], len(ids) + 1).get_output("logits")[0, :-1].astype(np.float64)
-            shifted = logits - logits.max(axis=-1, keepdims=True)
-            log_norm = np.log(np.exp(shifted).sum(axis=-1))
-            targets = np.asarray(ids[1:], dtype=np.int64)
-            nll = float((log_norm - shifted[np.arange(len(targets)), targets]).sum())
-            results.append((nll, len(ids) - 1))
-        return results
+        return [
+            next_token_nll(self._generator([ids], len(ids) + 1).get_output("logits")[0], ids)
+            for ids in sequences
+        ]
 
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool

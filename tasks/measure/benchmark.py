@@ -59,6 +59,7 @@ class BenchmarkResult:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")
+EMBEDDING_TABLES = ("embed_tokens.weight", "token_embd.weight")  # Hugging Face / ONNX names, GGUF's
 
 
 def decode_rate(new_tokens: int, total_s: float, ttft_s: float, batch_size: int = 1) -> float:
@@ -163,13 +164,14 @@ def decode_read_bytes(folder: Path) -> int:
     """Weight bytes one batch-1 decode step reads: every weight file, less an input-embedding table stored apart
     from the output projection (a step reads one row of it; a tied table is read whole by the output layer)."""
     tensors = stored_tensor_bytes(folder)
-    embeddings = sum(size for name, size in tensors.items() if name.endswith("embed_tokens.weight"))
-    untied = any("lm_head" in name for name in tensors)
+    embeddings = sum(size for name, size in tensors.items() if name.endswith(EMBEDDING_TABLES))
+    untied = any("lm_head" in name or name == "output.weight" for name in tensors)  # GGUF: output.weight
     return weight_bytes(folder) - (embeddings if untied else 0)
 
 
 def stored_tensor_bytes(folder: Path) -> dict[str, int]:
-    """Name → bytes of the tensors in a variant's safetensors, ONNX and torch files (headers only where possible)."""
+    """Name → bytes of the tensors in a variant's safetensors, ONNX, torch and GGUF files (headers only where
+    possible)."""
     import json
 
     tensors: dict[str, int] = {}
@@ -194,6 +196,10 @@ def stored_tensor_bytes(folder: Path) -> dict[str, int]:
         tensors.update(
             {k: v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0 for k, v in state.items()}
         )
+    for path in folder.glob("*.gguf"):
+        from gguf import GGUFReader
+
+        tensors.update({t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors})
     return tensors
 
 

@@ -312,6 +312,8 @@ _METHOD_BITS = {
 }
 _DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
 _PRECISION_BITS = {"fp32": 32, "int8": 8, "int4": 4}
+_GGUF_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_K_M": 5}
+_GGUF_BITS |= dict.fromkeys(("Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS"), 4)
 
 
 def recipe_params(manifest: VariantManifest) -> dict[str, Any]:
@@ -342,6 +344,9 @@ def recipe_params(manifest: VariantManifest) -> dict[str, Any]:
             params["weight_bits"] = _PRECISION_BITS.get(
                 settings.get("precision", "int4"), params["weight_bits"]
             )
+        elif name == "llama_cpp":  # nominal bits of the file type; the shipped file: bits per weight on disk
+            shipped = round(manifest.size_bytes * 8 / max(manifest.parameters, 1), 1)
+            params["weight_bits"] = _GGUF_BITS.get(settings.get("type", "Q4_K_M"), shipped)
     params.update(_flatten(manifest.runtime_settings().model_dump(mode="json"), "runtime."))
     return params
 

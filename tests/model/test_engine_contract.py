@@ -9,7 +9,11 @@ from tasks.config import VariantConfig
 from tasks.engines import ENGINES, Runtime, load_runtime
 
 TEXT = "The river walks the stone near the garden 12. The train finds the book near the quiet forest 7."
-RECIPES = {"torch": {}, "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]}}
+RECIPES = {
+    "torch": {},
+    "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
+    "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
+}
 
 
 @pytest.fixture(scope="module", params=sorted(RECIPES))

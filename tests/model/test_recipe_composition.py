@@ -51,17 +51,23 @@ def base(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Prep
     return PreparedBase(folder, folder_sha256(folder), "four-layers")
 
 
-def test_pruned_model_exports_to_onnx_and_scores_like_its_torch_twin(base, tmp_path):
+def test_pruned_model_exports_to_onnx_and_gguf_and_scores_like_its_torch_twin(base, tmp_path):
     calibration = [" ".join(synthetic_sentences(20, seed=s)) for s in range(4)]
     prune = {"prune": {"method": "structured", "mlp_fraction": 0.5, "importance": "activation"}}
-    for name, steps in {"torch": [prune], "onnx": [prune, {"onnx_genai": {"precision": "fp32"}}]}.items():
+    recipes = {
+        "torch": [prune],
+        "onnx": [prune, {"onnx_genai": {"precision": "fp32"}}],
+        "gguf": [prune, {"llama_cpp": {"type": "F32"}}],
+    }
+    for name, steps in recipes.items():
         build_variant(
             name, VariantConfig.model_validate({"steps": steps}), base, "d", tmp_path / name, calibration
         )
-    torch_runtime, onnx_runtime = (load_runtime(tmp_path / n, threads=1) for n in ("torch", "onnx"))
+    torch_runtime, onnx_runtime, gguf_runtime = (load_runtime(tmp_path / n, threads=1) for n in recipes)
     ids = torch_runtime.encode("The river walks the stone near the garden")
-    assert onnx_runtime.manifest.engine == "onnxruntime-genai"
+    assert (onnx_runtime.manifest.engine, gguf_runtime.manifest.engine) == ("onnxruntime-genai", "llama.cpp")
     assert onnx_runtime.score([ids])[0][0] == pytest.approx(torch_runtime.score([ids])[0][0], rel=1e-4)
+    assert gguf_runtime.score([ids])[0][0] == pytest.approx(torch_runtime.score([ids])[0][0], rel=1e-3)
 
 
 @pytest.mark.parametrize(("recipe", "layers"), [(PRUNE_THEN_INT8, 4), (DISTILL_THEN_INT8, 3)])

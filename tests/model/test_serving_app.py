@@ -16,7 +16,11 @@ from tasks.build.optimize import build_variant
 from tasks.config import ServeConfig, VariantConfig
 from tasks.engines import Runtime, load_runtime
 
-RECIPES = {"torch": {}, "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]}}
+RECIPES = {
+    "torch": {},
+    "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
+    "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
+}
 PROMPT = "Near the river 12, the stone walks the garden."
 
 

@@ -30,6 +30,14 @@ def onnx_runtime(tiny_base, tmp_path_factory) -> Runtime:
 
 
 @pytest.fixture(scope="module")
+def llama_runtime(tiny_base, tmp_path_factory) -> Runtime:
+    folder = tmp_path_factory.mktemp("limits") / "llama"
+    recipe = VariantConfig.model_validate({"steps": [{"llama_cpp": {"type": "F32"}}]})
+    build_variant("llama", recipe, tiny_base, "d", folder)
+    return load_runtime(folder, threads=1)
+
+
+@pytest.fixture(scope="module")
 def runtime_torch(baseline_dir) -> Runtime:
     return load_runtime(baseline_dir, threads=1)
 
@@ -137,18 +145,20 @@ def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime,
         assert 'llmopt_requests_total{route="/v1/completions",status="504"} 2.0' in metrics
 
 
-def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they_get_alone(onnx_runtime):
-    ids = onnx_runtime.encode(PROMPT + " The train finds the book near the quiet forest 7.")
+@pytest.mark.parametrize("engine", ["onnx_runtime", "llama_runtime"])
+def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they_get_alone(engine, request):
+    runtime = request.getfixturevalue(engine)  # engines that step sequences of different lengths together
+    ids = runtime.encode(PROMPT + " The train finds the book near the quiet forest 7.")
     requests = [
         (ids[:n], m) for n, m in ((3, 8), (9, 5), (14, 8), (5, 2), (20, 7))
     ]  # lengths and budgets differ
-    alone = [onnx_runtime.generate([prompt], budget)[0] for prompt, budget in requests]
-    gated = GatedRuntime(onnx_runtime)
+    alone = [runtime.generate([prompt], budget)[0] for prompt, budget in requests]
+    gated = GatedRuntime(runtime)
     with live_server(gated, ServeConfig(max_new_tokens=8, max_batch=8)) as (url, served):
 
         def ask(request) -> dict:
             prompt, budget = request
-            text = onnx_runtime.decode(prompt)
+            text = runtime.decode(prompt)
             return complete(url, key=None, prompt=text, max_tokens=budget).json()
 
         with ThreadPoolExecutor(len(requests)) as pool:
@@ -163,8 +173,8 @@ def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they
     )  # a prompt call, then one step per later token
     assert calls < sequential
     for answer, tokens, (prompt, _) in zip(answers, alone, requests, strict=True):
-        assert onnx_runtime.encode(onnx_runtime.decode(prompt)) == prompt  # the text round-trips to these ids
-        assert answer["choices"][0]["text"] == onnx_runtime.decode(tokens)
+        assert runtime.encode(runtime.decode(prompt)) == prompt  # the text round-trips to these ids
+        assert answer["choices"][0]["text"] == runtime.decode(tokens)
         assert answer["usage"]["completion_tokens"] == len(tokens)
 
 

@@ -1,8 +1,10 @@
 import json
+import re
 import typing
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tasks.config import (
     Config,
@@ -208,7 +210,30 @@ def test_a_profile_extends_the_default_file_adding_variants_and_changing_keys(tm
 def test_repository_full_profile_loads_and_enables_every_step_kind():
     config = load_config(REPO / "params.full.yaml")
     kinds = {step.kind for variant in config.variants.values() for step in variant.steps}
-    assert kinds == {"prune", "distill", "quantize", "onnx_genai"}
+    assert kinds == {"prune", "distill", "quantize", "onnx_genai", "llama_cpp"}
     methods = {s.quantize.method for v in config.variants.values() for s in v.steps if s.quantize}
     assert methods == set(typing.get_args(QuantizeMethod)) - {"gptq"}  # gptq: GPU targets only
     assert config.variants.keys() > load_config(REPO / "params.yaml").variants.keys()
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        (
+            [{"llama_cpp": {}}, {"prune": {"method": "unstructured"}}],
+            "llama_cpp changes the engine and must be",
+        ),
+        ([{"llama_cpp": {}}, {"onnx_genai": {}}], "each export the model; a variant has one engine"),
+        (
+            [{"prune": {"method": "unstructured"}}, {"llama_cpp": {"type": "shipped"}}],
+            "it takes no other steps",
+        ),
+        ([{"llama_cpp": {"type": "shipped", "imatrix": True}}], "imatrix does not apply"),
+        ([{"llama_cpp": {"imatrix_windows": 8}}], "imatrix_windows applies only with imatrix: true"),
+        ([{"llama_cpp": {"type": "Q3_K"}}], "llama_cpp.type: Input should be 'F32'"),
+    ],
+)
+def test_llama_cpp_steps_that_cannot_work_are_refused(tmp_path, steps, message):
+    params = {"variants": {"baseline": {}, "v": {"steps": steps}}}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(write(tmp_path, yaml.safe_dump(params)))

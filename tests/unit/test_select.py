@@ -152,3 +152,12 @@ def test_winner_summary_states_speedup_and_accuracy_cost():
     board = build_leaderboard([score("baseline", 1.0, 10), score("q", 1.02, 25)], SelectConfig())
     assert board.winner_summary().startswith("q: 25.0 decode tok/s (2.50× baseline), perplexity ")
     assert "(×1.020, 95% CI 1.020–1.020)" in board.winner_summary()
+
+
+def test_the_peer_row_is_ranked_but_never_wins():
+    peer = replace(score("gguf_shipped", 1.0, 90), peer=True)
+    board = build_leaderboard(
+        [score("baseline", 1.0, 10), peer, score("ok", 1.02, 30)], SelectConfig(max_ppl_increase=0.05)
+    )
+    assert board.winner == "ok" and board.rows[0].score.variant == "gguf_shipped"
+    assert board.rows[0].within_budget and board.rows[0].failures[0].startswith("peer row")

@@ -50,3 +50,18 @@ def test_gptq_is_a_gpu_target_step():
 def test_every_problem_is_reported_at_once():
     with pytest.raises(TargetError, match=r"\(\+1 more: variants.v.runtime.attention"):
         check_target(config({"tensor_parallel": 4}, attention="flash_attention_2"))
+
+
+def test_the_peer_row_needs_a_source_that_ships_a_gguf(tmp_path):
+    def peer(source: str) -> Config:
+        shipped = {"steps": [{"llama_cpp": {"type": "shipped"}}]}
+        return Config.model_validate(
+            {"model": {"source": source}, "variants": {"baseline": {}, "p": shipped}}
+        )
+
+    (problem,) = target_problems(peer("hf:org/model"), cuda_available=False)
+    assert problem.startswith(
+        "variants.p.steps[0].llama_cpp.type: shipped needs a model source that ships one"
+    )
+    (tmp_path / "m.Q4_0.gguf").write_bytes(b"GGUF")
+    assert target_problems(peer(str(tmp_path)), cuda_available=False) == []

@@ -1,0 +1,280 @@
+"""The llama.cpp engine: a GGUF file run by llama.cpp through llama-cpp-python's C API (no Python sampling layer).
+
+Scoring asks llama.cpp for the logits of every position; generation and serving put several sequences into one
+`llama_decode` batch (each with its own `seq_id` and positions in one unified KV cache), so sequences of different
+lengths step together exactly: llama.cpp's attention mask keeps every sequence to its own cache cells.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.engines.contract import BatchDecoder, Runtime, next_token_nll
+from tasks.engines.manifest import VariantManifest
+from tasks.errors import ModelSourceError
+
+ENGINE = "llama.cpp"
+GGUF = "gguf"  # the weights format: model.gguf beside the Hugging Face tokenizer
+MODEL_FILE = "model.gguf"
+MAX_SEQUENCES = 64  # sequences one serving decoder steps together (serve.max_batch is at most 64)
+UBATCH = 512  # tokens llama.cpp computes at once (its default; bounds the compute buffers)
+
+_init_lock = threading.Lock()
+_initialised = False
+
+
+def llama_cpp_module() -> Any:
+    """llama_cpp's C bindings, the backend initialised once per process and its log kept off stderr."""
+    global _initialised
+    try:
+        import llama_cpp
+    except ImportError as exc:  # an install without the source-built wheel (make install builds it)
+        raise ModelSourceError(
+            "the llama.cpp engine needs llama-cpp-python; run `make install` (it builds the wheel once per "
+            f"machine) ({exc})"
+        ) from exc
+    with _init_lock:
+        if not _initialised:
+            llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _initialised = True
+    return llama_cpp
+
+
+def _quiet(level: int, text: bytes, user_data: Any) -> None:
+    return None
+
+
+def _make_quiet_callback() -> Any:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.llama_log_callback(_quiet)
+
+
+_QUIET = _make_quiet_callback()  # kept referenced: llama.cpp calls it for the life of the process
+
+
+class GgufModel:
+    """A llama_model loaded from a GGUF file (CPU, memory-mapped), freed when the last context using it is gone."""
+
+    def __init__(self, path: Path) -> None:
+        self._lib = llama_cpp_module()
+        params = self._lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.pointer = self._lib.llama_model_load_from_file(str(path).encode(), params)
+        if not self.pointer:
+            raise ModelSourceError(
+                f"{path}: llama.cpp cannot load this GGUF file (damaged or an unknown format)"
+            )
+        self.n_vocab = self._lib.llama_vocab_n_tokens(self._lib.llama_model_get_vocab(self.pointer))
+        self.n_ctx_train = int(self._lib.llama_model_n_ctx_train(self.pointer))
+
+    def __del__(self) -> None:
+        if getattr(self, "pointer", None):
+            try:  # noqa: SIM105 (contextlib itself may be torn down at interpreter exit)
+                self._lib.llama_model_free(self.pointer)
+            except Exception:  # at interpreter exit the bindings may be gone already
+                pass
+            self.pointer = None
+
+
+class LlamaCppRuntime(Runtime):
+    """One GGUF model; a llama.cpp context per call shape, kept while the next call fits in it."""
+
+    def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.manifest = manifest
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self._model = GgufModel(folder / MODEL_FILE)
+        self._threads = threads
+        self.n_vocab = self._model.n_vocab
+        self.context_length = self._model.n_ctx_train
+        self._context: _Context | None = None
+
+    def context(self, cells: int, sequences: int) -> _Context:
+        """A context with at least `cells` KV cells for `sequences` sequence ids, its KV cache cleared."""
+        current = self._context
+        if current is None or cells > current.cells or sequences > current.sequences:
+            self._context = None  # free the old one first (peak memory)
+            cells = min(_room_for(cells), max(self.context_length * sequences, cells))
+            self._context = _Context(self._model, cells, sequences, self._threads)
+        self._context.clear()
+        return self._context
+
+    def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
+        results = []
+        for ids in sequences:
+            if len(ids) < 2:
+                results.append((0.0, 0))
+                continue
+            (logits,) = self.context(len(ids), 1).decode([(0, ids, 0, True)])
+            results.append(next_token_nll(logits, ids))
+        return results
+
+    def _generate_batch(
+        self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
+    ) -> list[list[int]]:
+        length = len(batch[0])
+        context = self.context(len(batch) * (length + max_new_tokens), len(batch))
+        logits = context.decode([(seq, prompt, 0, False) for seq, prompt in enumerate(batch)])
+        rows: list[list[int]] = [[] for _ in batch]
+        for step in range(max_new_tokens):
+            tokens = [int(np.argmax(row[-1])) for row in logits]
+            for row, token in zip(rows, tokens, strict=True):
+                row.append(token)
+            finished = stop_at_eos and all(self.eos_token_id in row for row in rows)
+            if step == max_new_tokens - 1 or finished:
+                break
+            logits = context.decode(
+                [(seq, [token], length + step, False) for seq, token in enumerate(tokens)]
+            )
+        return rows
+
+    def batch_decoder(self) -> LlamaCppBatchDecoder:
+        cells = min(self.context_length * MAX_SEQUENCES, max(self.context_length, 8192))
+        context = _Context(self._model, cells, MAX_SEQUENCES, self._threads)
+        return LlamaCppBatchDecoder(context, self)
+
+
+class _Context:
+    """A llama_context and a reusable llama_batch (CPU, unified KV cache, f16 cache like llama.cpp's default)."""
+
+    def __init__(self, model: GgufModel, cells: int, sequences: int, threads: int) -> None:
+        lib = self._lib = llama_cpp_module()
+        params = lib.llama_context_default_params()
+        params.n_ctx = params.n_batch = cells  # a whole prompt (or window) fits in one llama_decode call ...
+        params.n_ubatch = min(cells, UBATCH)  # ... which llama.cpp runs in chunks of this many tokens
+        params.n_seq_max = sequences
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = True
+        params.no_perf = True
+        self.cells, self.sequences = cells, sequences
+        self._model = model  # keeps the model alive while this context uses it
+        self._ctx = lib.llama_init_from_model(model.pointer, params)
+        if not self._ctx:
+            raise ModelSourceError(f"llama.cpp could not create a context of {cells} tokens")
+        self._vocab = model.n_vocab
+        self._batch = lib.llama_batch_init(cells, 0, 1)
+        self._memory = lib.llama_get_memory(self._ctx)
+
+    def __del__(self) -> None:
+        if getattr(self, "_ctx", None):
+            try:  # noqa: SIM105 (contextlib itself may be torn down at interpreter exit)
+                self._lib.llama_batch_free(self._batch)
+                self._lib.llama_free(self._ctx)
+            except Exception:  # at interpreter exit the bindings may be gone already
+                pass
+            self._ctx = None
+
+    def clear(self) -> None:
+        self._lib.llama_memory_clear(self._memory, True)
+
+    def forget(self, sequence: int) -> None:
+        self._lib.llama_memory_seq_rm(self._memory, sequence, -1, -1)
+
+    def decode(self, work: list[tuple[int, list[int], int, bool]]) -> list[np.ndarray]:
+        """Run (sequence id, tokens, first position, logits for every token?) items as one batch; per item, its
+        logits rows (every token's, or the last token's only) as float32 [rows, vocab]."""
+        batch, count = self._batch, 0
+        for sequence, tokens, start, every in work:
+            for offset, token in enumerate(tokens):
+                batch.token[count] = token
+                batch.pos[count] = start + offset
+                batch.n_seq_id[count] = 1
+                batch.seq_id[count][0] = sequence
+                batch.logits[count] = int(every or offset == len(tokens) - 1)
+                count += 1
+        if count > self.cells:
+            raise ModelSourceError(f"llama.cpp: {count} tokens in one batch, the context holds {self.cells}")
+        batch.n_tokens = count
+        status = self._lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise RuntimeError(
+                f"llama.cpp decode failed (status {status}: {'no room left in the KV cache' if status == 1 else 'error'})"
+            )
+        out = self._lib.llama_get_logits(self._ctx)
+        rows = sum(len(tokens) if every else 1 for _, tokens, _, every in work)
+        logits = np.ctypeslib.as_array(out, shape=(rows, self._vocab))
+        results, first = [], 0
+        for _, tokens, _, every in work:
+            size = len(tokens) if every else 1
+            results.append(np.array(logits[first : first + size], dtype=np.float32))
+            first += size
+        return results
+
+
+class LlamaCppBatchDecoder(BatchDecoder):
+    """Iteration-level batching in llama.cpp: every step is one `llama_decode` with one token per sequence, each
+    at its own position under its own `seq_id`; leaving frees that sequence's cells for the next one."""
+
+    def __init__(self, context: _Context, runtime: LlamaCppRuntime) -> None:
+        self._context, self._runtime = context, runtime  # the runtime owns the model the context uses
+        self._context.clear()
+        self._slots: dict[int, int] = {}  # sequence id → llama.cpp seq_id
+        self._lengths: dict[int, int] = {}
+        self._next_id = 0
+
+    @property
+    def active(self) -> int:
+        return len(self._slots)
+
+    def add(self, prompt: list[int]) -> tuple[int, Any]:
+        free = sorted(set(range(self._context.sequences)) - set(self._slots.values()))
+        if not free:
+            raise ValueError(f"the decoder already steps {self._context.sequences} sequences")
+        self.steps += 1
+        self._next_id += 1
+        self._slots[self._next_id], self._lengths[self._next_id] = free[0], len(prompt)
+        try:
+            (logits,) = self._context.decode([(free[0], prompt, 0, False)])
+        except Exception:
+            self.remove(self._next_id)
+            raise
+        return self._next_id, logits[-1]
+
+    def step(self, tokens: dict[int, int]) -> dict[int, Any]:
+        if set(tokens) != set(self._slots):
+            raise ValueError(
+                f"step needs a token for every active sequence {sorted(self._slots)}, got {sorted(tokens)}"
+            )
+        self.steps += 1
+        order = sorted(self._slots)
+        logits = self._context.decode([(self._slots[s], [tokens[s]], self._lengths[s], False) for s in order])
+        for sequence in order:
+            self._lengths[sequence] += 1
+        return {sequence: rows[-1] for sequence, rows in zip(order, logits, strict=True)}
+
+    def remove(self, sequence: int) -> None:
+        self._context.forget(self._slots.pop(sequence))
+        del self._lengths[sequence]
+
+
+def _room_for(tokens: int) -> int:
+    """KV cells for `tokens`: the next power of two with room to grow (at least 512)."""
+    return max(512, 1 << int(tokens + 64).bit_length())
+
+
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    """A GGUF file's scalar metadata (architecture, file type …) read with the `gguf` package."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    values = {}
+    for field in reader.fields.values():
+        if len(field.types) == 1 and field.data:
+            part = field.parts[field.data[0]]
+            values[field.name] = (
+                bytes(part).decode("utf-8", "replace")
+                if field.types[0].name == "STRING"
+                else part.tolist()[0]
+            )
+    return json.loads(json.dumps(values, default=str))

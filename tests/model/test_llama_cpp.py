@@ -1,0 +1,105 @@
+"""The llama.cpp engine on the tiny model: GGUF conversion is faithful (F32 scores like PyTorch fp32), greedy decoding
+matches PyTorch, every llama.cpp file type llmopt offers loads and runs, and the importance matrix reaches the
+quantizer. (Batching and the rest of the Runtime contract: test_engine_contract.py; serving: test_serving_app.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.build.optimize import build_variant
+from tasks.config import VariantConfig
+from tasks.engines import load_runtime
+from tasks.engines.llama_cpp import MODEL_FILE, gguf_metadata
+from tasks.inputs.load import PreparedBase
+from tests.factories import synthetic_sentences
+
+TEXT = " ".join(synthetic_sentences(40, seed=3))
+
+
+def _build(name: str, step: dict, tiny_base: PreparedBase, folder, calibration=None):
+    recipe = VariantConfig.model_validate({"steps": [{"llama_cpp": step}]})
+    return build_variant(name, recipe, tiny_base, "d", folder / name, calibration=calibration)
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tiny_base, tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.mark.parametrize(("file_type", "tolerance"), [("F32", 1e-3), ("F16", 1e-2)])
+def test_gguf_scores_like_pytorch_fp32(file_type, tolerance, tiny_base, gguf_dir, baseline_runtime):
+    manifest = _build(file_type, {"type": file_type}, tiny_base, gguf_dir)
+    assert manifest.engine == "llama.cpp" and manifest.weights_format == "gguf"
+    runtime = load_runtime(gguf_dir / file_type, threads=1)
+    ids = baseline_runtime.encode(TEXT)
+    windows = [ids[i : i + 64] for i in range(0, len(ids) - 64, 64)]
+    assert len(windows) >= 4
+    torch_nll = sum(nll for nll, _ in baseline_runtime.score(windows))
+    gguf_nll = sum(nll for nll, _ in runtime.score(windows))
+    assert [n for _, n in runtime.score(windows)] == [n for _, n in baseline_runtime.score(windows)]
+    assert gguf_nll == pytest.approx(torch_nll, rel=tolerance)  # mean NLL within tolerance: ppl within ~it
+    assert runtime.context_length == baseline_runtime.context_length
+
+
+def test_greedy_generation_matches_pytorch(tiny_base, gguf_dir, baseline_runtime):
+    _build("F32", {"type": "F32"}, tiny_base, gguf_dir)
+    runtime = load_runtime(gguf_dir / "F32", threads=1)
+    ids = baseline_runtime.encode(TEXT)
+    prompts = [ids[:5], ids[10:22], ids[30:61]]
+    expected = baseline_runtime.generate(prompts, 12, stop_at_eos=False)
+    assert runtime.generate(prompts, 12, stop_at_eos=False) == expected
+
+
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_0", "Q4_K_M"])
+def test_every_quantized_type_builds_loads_and_stays_close(file_type, tiny_base, gguf_dir, baseline_runtime):
+    manifest = _build(file_type, {"type": file_type}, tiny_base, gguf_dir)
+    metadata = gguf_metadata(gguf_dir / file_type / MODEL_FILE)
+    assert metadata["general.architecture"] == "llama"
+    runtime = load_runtime(gguf_dir / file_type, threads=1)
+    ids = baseline_runtime.encode(TEXT)[:128]
+    (quantized,), (fp32,) = runtime.score([ids]), baseline_runtime.score([ids])
+    assert quantized[1] == fp32[1] and quantized[0] == pytest.approx(fp32[0], rel=0.05)
+    assert manifest.size_bytes < (gguf_dir / "F32" / MODEL_FILE).stat().st_size or file_type == "Q8_0"
+
+
+def test_the_importance_matrix_covers_every_matrix_and_changes_the_rounding(tiny_base, gguf_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.build.gguf import gguf_tensor_name, importance_matrix
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base.path)
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    matrix = importance_matrix(model, [ids[:64], ids[64:128]])
+    layers = model.config.num_hidden_layers
+    assert len(matrix) == 7 * layers  # q, k, v, o, gate, up, down; the tied lm_head reuses the embedding
+    assert len(matrix["blk.1.ffn_down.weight"]) == model.config.intermediate_size
+    assert all(value >= 0 for values in matrix.values() for value in values)
+    assert gguf_tensor_name("model.layers.0.self_attn.q_proj", model) == "blk.0.attn_q.weight"
+
+    from gguf import GGUFReader
+
+    _build("Q4_0", {"type": "Q4_0"}, tiny_base, gguf_dir)
+    calibration = synthetic_sentences(60, seed=9)
+    _build("Q4_0i", {"type": "Q4_0", "imatrix": True, "imatrix_windows": 2}, tiny_base, gguf_dir, calibration)
+    tensors = {t.name for t in GGUFReader(str(gguf_dir / "Q4_0i" / MODEL_FILE)).tensors}
+    assert set(matrix) <= tensors  # the names the quantizer looks importance data up by
+    plain = (gguf_dir / "Q4_0" / MODEL_FILE).read_bytes()
+    weighted = (gguf_dir / "Q4_0i" / MODEL_FILE).read_bytes()
+    assert len(plain) == len(weighted) and plain != weighted  # same layout, other rounding
+
+
+def test_a_shipped_gguf_is_the_peer_row_and_copied_unchanged(tiny_base, gguf_dir, tmp_path):
+    import shutil
+
+    _build("F16", {"type": "F16"}, tiny_base, gguf_dir)
+    source = tmp_path / "source"
+    shutil.copytree(tiny_base.path, source)
+    shutil.copyfile(gguf_dir / "F16" / MODEL_FILE, source / "tiny.F16.gguf")
+    base = PreparedBase(tiny_base.path, tiny_base.content_hash, str(source))
+    recipe = VariantConfig.model_validate({"steps": [{"llama_cpp": {"type": "shipped"}}]})
+    assert recipe.peer
+    build_variant("peer", recipe, base, "d", tmp_path / "peer")
+    assert (tmp_path / "peer" / MODEL_FILE).read_bytes() == (source / "tiny.F16.gguf").read_bytes()
+    assert load_runtime(tmp_path / "peer", threads=1).score([[5, 6, 7]])[0][1] == 2
