@@ -229,13 +229,28 @@ class LlamaCppStep(Strict):
     # the quantizer then rounds to protect the columns that matter (K-quants, Q4_0 and IQ4 types use it)
     imatrix: bool = False
     imatrix_windows: Annotated[int, Field(ge=1, le=4096)] = 32  # calibration windows of 256 tokens it sees
+    # Q4_0 / IQ4_NL only: the layers' matrices that cost the most accuracy kept at Q8_0, each plan measured in
+    # llama.cpp on the calibration split (tasks/build/mixed_precision.py)
+    mixed_precision: MixedPrecision | None = None
+
+    MIXABLE: ClassVar[tuple[str, ...]] = ("Q4_0", "IQ4_NL")  # one block-32 type for every matrix
 
     @model_validator(mode="after")
     def _shipped_is_as_is(self) -> LlamaCppStep:
-        if self.type == "shipped" and {"imatrix", "imatrix_windows"} & self.model_fields_set:
-            raise ValueError("type shipped is the source's GGUF unchanged; imatrix does not apply")
+        if (
+            self.type == "shipped"
+            and {"imatrix", "imatrix_windows", "mixed_precision"} & self.model_fields_set
+        ):
+            raise ValueError(
+                "type shipped is the source's GGUF unchanged; imatrix and mixed_precision do not apply"
+            )
         if "imatrix_windows" in self.model_fields_set and not self.imatrix:
             raise ValueError("imatrix_windows applies only with imatrix: true")
+        if self.mixed_precision is not None and self.type not in self.MIXABLE:
+            raise ValueError(
+                f"mixed_precision applies to type {' or '.join(self.MIXABLE)} (one 4-bit type for every matrix, "
+                f"some kept at Q8_0), not {self.type}"
+            )
         return self
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,6 +23,8 @@ from tasks.errors import ModelSourceError
 CONVERTER_DIR = Path(sys.prefix) / "share" / "llama.cpp"  # filled by `make install`
 CONVERTER = CONVERTER_DIR / "convert_hf_to_gguf.py"
 IMATRIX_WINDOW_TOKENS = 256
+BLOCK, SCALE_BYTES = 32, 2  # Q4_0, IQ4_NL and Q8_0: blocks of 32 weights, one float16 scale each
+PLAN_TYPES = {8: "Q8_0"}  # what the mixed-precision plan keeps at 8 bits
 
 # llmopt's names of llama.cpp file types → llama_ftype names (llama.h)
 FILE_TYPES = {
@@ -74,9 +77,15 @@ def convert_to_gguf(source: Path, out_file: Path) -> str:
 
 
 def quantize_gguf(
-    source: Path, dest: Path, file_type: str, imatrix: dict[str, Any] | None = None, threads: int = 0
+    source: Path,
+    dest: Path,
+    file_type: str,
+    imatrix: dict[str, Any] | None = None,
+    threads: int = 0,
+    tensor_types: dict[str, str] | None = None,
 ) -> None:
-    """`llama_model_quantize` from an F32/F16 GGUF to `file_type`, with importance data by tensor name."""
+    """`llama_model_quantize` from an F32/F16 GGUF to `file_type`, with importance data by tensor name and
+    `tensor_types` (tensor name → ggml type name such as Q8_0) in place of llama.cpp's own choice for them."""
     from tasks.engines.llama_cpp import llama_cpp_module
 
     lib = llama_cpp_module()
@@ -84,6 +93,13 @@ def quantize_gguf(
     params.ftype = getattr(lib, FILE_TYPES[file_type])
     params.nthread = threads
     keep: list[Any] = []  # the arrays the C side reads, alive until the call returns
+    if tensor_types:
+        overrides = (lib.llama_model_tensor_override * (len(tensor_types) + 1))()  # pattern NULL ends it
+        for entry, (name, tensor_type) in zip(overrides, sorted(tensor_types.items()), strict=False):
+            keep.append(f"^{re.escape(name)}$".encode())  # llama.cpp matches the pattern as a regex
+            entry.pattern, entry.type = keep[-1], getattr(lib, f"GGML_TYPE_{tensor_type}")
+        params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(lib.llama_model_tensor_override))
+        keep.append(overrides)
     if imatrix:
         entries = (lib.llama_model_imatrix_data * (len(imatrix) + 1))()
         for entry, (name, values) in zip(entries, sorted(imatrix.items()), strict=False):
@@ -142,6 +158,35 @@ def gguf_tensor_name(module_name: str, model: Any) -> str | None:
     if len(parts) >= 5 and parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in _GGUF_NAMES:
         return f"blk.{parts[2]}.{_GGUF_NAMES['.'.join(parts[3:])]}.weight"
     return None
+
+
+def gguf_matrices(model: Any) -> list[Any]:
+    """The decoder layers' weight matrices as GGUF tensors, for the mixed-precision search (the output table is
+    left to llama.cpp's choice for the file type)."""
+    import torch
+
+    from tasks.build.mixed_precision import Matrix
+
+    matrices = []
+    for module_name, module in model.named_modules():
+        name = gguf_tensor_name(module_name, model)
+        if name and name.startswith("blk.") and isinstance(module, torch.nn.Linear):
+            matrices.append(Matrix(name, (module_name,), module.weight.numel()))
+    if not matrices:
+        raise ValueError(f"mixed_precision: supports Llama-style decoders, not {type(model).__name__}")
+    return matrices
+
+
+def tensor_types(path: Path) -> dict[str, str]:
+    """Tensor name → ggml type name (Q4_0, Q8_0 …) of a GGUF file."""
+    from gguf import GGUFReader
+
+    return {tensor.name: tensor.tensor_type.name for tensor in GGUFReader(str(path)).tensors}
+
+
+def layer_of(matrix: Any) -> str:
+    """The decoder layer a GGUF tensor belongs to (blk.3.ffn_down.weight → blk.3)."""
+    return ".".join(matrix.node.split(".")[:2])
 
 
 def shipped_gguf(source: str) -> Path:

@@ -1,7 +1,8 @@
-"""Accuracy-aware mixed precision for the int4 ONNX export: which weight matrices stay int8.
+"""Accuracy-aware mixed precision for 4-bit exports: which weight matrices stay at 8 bits.
 
-Starting from all-int4, every matrix the model builder quantizes (one MatMulNBits node: a layer's fused q/k/v, its
-o_proj, gate, up, down, and the lm_head) gets two costs on the calibration split only:
+Starting from all-4-bit, every matrix the export quantizes (for the ONNX model builder one MatMulNBits node: a
+layer's fused q/k/v, its o_proj, gate, up, down, and the lm_head; for llama.cpp one GGUF tensor) gets two costs on
+the calibration split only:
 - the loss increase it causes at int4 and at int8, predicted from the diagonal of the empirical Fisher
   information (squared per-window gradients) times the squared rounding error of the simulated grid, the way
   Fisher-weighted mixed-precision methods rank layers;
@@ -9,7 +10,10 @@ o_proj, gate, up, down, and the lm_head) gets two costs on the calibration split
 The prediction is scaled to the all-int4 loss increase actually measured, then matrices are kept at int8 in order of
 loss saved per byte until the predicted perplexity increase fits `target_ppl_increase` or the size budget is spent.
 Each plan is measured again on the calibration windows and the search goes on while the measurement misses the
-target. The evaluation split is never seen here: the build step receives the calibration split only.
+target. By default a plan is measured on the simulated grid in torch (exactly onnxruntime's blockwise rounding); the
+llama.cpp step passes a `measure` that quantizes the GGUF with the plan and scores it in llama.cpp itself (its
+importance-matrix rounding has no torch twin). The evaluation split is never seen here: the build step receives the
+calibration split only.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ VERIFY_ROUNDS = 8  # measured plans before the search stops adding matrices
 
 @dataclass(frozen=True)
 class Matrix:
-    """One MatMulNBits node of the export and the torch weights it is built from."""
+    """One quantized matrix of the export (a MatMulNBits node, a GGUF tensor) and the torch weights it is built from."""
 
-    node: str  # the model builder's node name, e.g. /model/layers.3/attn/qkv_proj/MatMul
+    node: str  # the export's name, e.g. /model/layers.3/attn/qkv_proj/MatMul or blk.3.attn_q.weight
     modules: tuple[str, ...]  # torch module names whose weights it holds (q, k, v are fused into one node)
     parameters: int
 
@@ -61,6 +65,8 @@ class PrecisionPlan:
         bool  # the lm_head's table is the embedding's (stored once, int4, while the lm_head is int4)
     )
     matrices: list[MatrixChoice] = field(default_factory=list)
+    kept_as: str = "int8"  # what the export stores an 8-bit matrix as (llama.cpp: Q8_0)
+    sensitivity: str = "predicted"  # each matrix's saving: "predicted" (Fisher) or "measured per layer"
 
     @property
     def int8_nodes(self) -> list[str]:
@@ -68,6 +74,10 @@ class PrecisionPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def tensor_types(self, four_bit: str) -> dict[str, str]:
+        """llama.cpp: GGUF tensor name → type, `four_bit` or the 8-bit type the plan keeps."""
+        return {m.node: self.kept_as if m.bits == 8 else four_bit for m in self.matrices}
 
     def builder_options(self) -> dict[str, Any]:
         """`--target_options` of ONNX Runtime GenAI's model builder: these nodes at int8, the rest at int4."""
@@ -78,7 +88,8 @@ class PrecisionPlan:
     def note(self) -> str:
         kept = len(self.int8_nodes)
         return (
-            f"mixed precision: {kept} of {len(self.matrices)} matrices kept at int8 (stopped by {self.stopped_by}); "
+            f"mixed precision: {kept} of {len(self.matrices)} matrices kept at {self.kept_as} (stopped by "
+            f"{self.stopped_by}); "
             f"calibration perplexity +{self.measured_ppl_increase:.1%} measured (+{self.predicted_ppl_increase:.1%} "
             f"predicted, +{self.int4_ppl_increase:.1%} all-int4), {self.size_ratio:.0%} of int8's weight bytes"
         )
@@ -133,10 +144,12 @@ def fake_quantize(weight: Any, bits: int, block: int, symmetric: bool) -> Any:
     return rounded.reshape(rows, -1)[:, :columns].to(weight.dtype)
 
 
-def matrix_bytes(parameters: int, bits: int, block: int, symmetric: bool) -> int:
+def matrix_bytes(
+    parameters: int, bits: int, block: int, symmetric: bool, scale_bytes: int = SCALE_BYTES
+) -> int:
     blocks = math.ceil(parameters / block)
     zero_points = 0 if symmetric else math.ceil(blocks * bits / 8)
-    return parameters * bits // 8 + blocks * SCALE_BYTES + zero_points
+    return parameters * bits // 8 + blocks * scale_bytes + zero_points
 
 
 def search(
@@ -147,13 +160,23 @@ def search(
     block: int,
     symmetric: bool,
     progress: Callable[[str, int, int], None] | None = None,
+    matrices: list[Matrix] | None = None,
+    measure: Callable[..., float] | None = None,
+    scale_bytes: int = SCALE_BYTES,
+    group: Callable[[Matrix], str] | None = None,
 ) -> PrecisionPlan:
-    """The per-matrix precision plan for `model` (left as it was) from the calibration `windows`."""
+    """The per-matrix precision plan for `model` (left as it was) from the calibration `windows`.
+
+    `matrices`: what the export quantizes (default: the ONNX builder's nodes). `measure(plan)`: the mean loss per
+    token on `windows` with each matrix at its planned bits (None: unquantized); default: the simulated grid.
+    `group(matrix)`: when given, sensitivity is measured rather than predicted: each group (e.g. a layer) goes to 8
+    bits alone, `measure(plan, quick=True)` (on a quarter of the windows) says what that saves, and the search keeps
+    whole groups at 8 bits; every plan is still measured on all windows."""
     import torch
 
     if not windows:
         raise ValueError("mixed_precision: the calibration split gave no token windows")
-    matrices = export_matrices(model)
+    matrices = export_matrices(model) if matrices is None else matrices
     modules = dict(model.named_modules())
     originals = {name: modules[name].weight.detach().clone() for m in matrices for name in m.modules}
     tied = model.lm_head.weight is model.get_input_embeddings().weight
@@ -180,54 +203,75 @@ def search(
                 tokens += len(ids) - 1
         return total / tokens
 
+    def simulated(plan: dict[str, int] | None, quick: bool = False) -> float:
+        set_bits(plan or {})
+        return loss()
+
+    measure = measure or simulated
+    size = {
+        m.node: {bits: matrix_bytes(m.parameters, bits, block, symmetric, scale_bytes) for bits in (4, 8)}
+        for m in matrices
+    }
+    extra = {}
+    for matrix in matrices:
+        added = size[matrix.node][8] - size[matrix.node][4]
+        if tied and matrix.node == "/lm_head/MatMul":
+            # the builder shares the int4 embedding with an int4 lm_head only: an int8 lm_head leaves the
+            # embedding table unquantized (float32)
+            added += matrix.parameters * 4 - size[matrix.node][4]
+        extra[matrix.node] = added
+    int8_bytes = sum(size[m.node][8] for m in matrices)
+    int4_bytes = sum(size[m.node][4] for m in matrices)
+    budget = size_budget * int8_bytes - int4_bytes
+    # the search's units: one matrix each, or the groups whose savings are measured
+    units: dict[str, list[Matrix]] = {}
+    for matrix in matrices:
+        units.setdefault(group(matrix) if group else matrix.node, []).append(matrix)
+
     was_training = model.training
     model.eval()
     try:
-        fisher = _fisher_diagonal(
-            model, windows, modules, originals, lambda i, n: report("sensitivity", i, n)
-        )
-        costs = {}
-        for matrix in matrices:
-            per_bits = []
-            for bits in (4, 8):
-                error = sum(
-                    (
-                        fisher[name]
-                        * (fake_quantize(originals[name], bits, block, symmetric) - originals[name]) ** 2
-                    )
-                    .sum()
-                    .item()
-                    for name in matrix.modules
-                )
-                per_bits.append(error / 2)
-            costs[matrix.node] = per_bits
-        base_loss = loss()
         all_int4 = {m.node: 4 for m in matrices}
-        set_bits(all_int4)
-        int4_loss = loss()
-        predicted_all = sum(c4 for c4, _ in costs.values())
-        scale = max((int4_loss - base_loss) / predicted_all, 0.0) if predicted_all > 0 else 1.0
-
-        extra = {}
-        for matrix in matrices:
-            added = matrix_bytes(matrix.parameters, 8, block, symmetric) - matrix_bytes(
-                matrix.parameters, 4, block, symmetric
+        costs: dict[str, tuple[float, float]] = {}  # per matrix: loss increase at 4 and at 8 bits
+        if group is None:
+            fisher = _fisher_diagonal(
+                model, windows, modules, originals, lambda i, n: report("sensitivity", i, n)
             )
-            if tied and matrix.node == "/lm_head/MatMul":
-                # the builder shares the int4 embedding with an int4 lm_head only: an int8 lm_head leaves the
-                # embedding table unquantized (float32)
-                added += matrix.parameters * 4 - matrix_bytes(matrix.parameters, 4, block, symmetric)
-            extra[matrix.node] = added
-        int8_bytes = sum(matrix_bytes(m.parameters, 8, block, symmetric) for m in matrices)
-        int4_bytes = sum(matrix_bytes(m.parameters, 4, block, symmetric) for m in matrices)
-        budget = size_budget * int8_bytes - int4_bytes
-
-        saved = {node: scale * (c4 - c8) for node, (c4, c8) in costs.items()}
-        order = sorted(
-            (m for m in matrices if saved[m.node] > 0),
-            key=lambda m: saved[m.node] / extra[m.node],
-            reverse=True,
-        )
+            for matrix in matrices:
+                c4, c8 = (
+                    sum(
+                        (
+                            fisher[name]
+                            * (fake_quantize(originals[name], bits, block, symmetric) - originals[name]) ** 2
+                        )
+                        .sum()
+                        .item()
+                        / 2
+                        for name in matrix.modules
+                    )
+                    for bits in (4, 8)
+                )
+                costs[matrix.node] = (c4, c8)
+        base_loss = measure(None)
+        int4_loss = measure(all_int4)
+        if group is None:
+            predicted_all = sum(c4 for c4, _ in costs.values())
+            scale = max((int4_loss - base_loss) / predicted_all, 0.0) if predicted_all > 0 else 1.0
+            costs = {node: (scale * c4, scale * c8) for node, (c4, c8) in costs.items()}
+        else:
+            int4_quick = measure(all_int4, quick=True)
+            for index, members in enumerate(units.values()):
+                report("sensitivity", index, len(units))
+                saving = int4_quick - measure(all_int4 | {m.node: 8 for m in members}, quick=True)
+                weight = sum(m.parameters for m in members)
+                for m in members:  # a group's measured saving, shared by parameters (for the report)
+                    costs[m.node] = (saving * m.parameters / weight, 0.0)
+            report("sensitivity", len(units), len(units))
+        saved = {
+            unit: sum(costs[m.node][0] - costs[m.node][1] for m in members) for unit, members in units.items()
+        }
+        added = {unit: sum(extra[m.node] for m in members) for unit, members in units.items()}
+        order = sorted((u for u in units if saved[u] > 0), key=lambda u: saved[u] / added[u], reverse=True)
         target_loss = math.log1p(target_ppl_increase)
         plan, spent, position, skipped = dict(all_int4), 0, 0, False
         predicted = measured = int4_loss - base_loss
@@ -235,14 +279,14 @@ def search(
         for round_ in range(VERIFY_ROUNDS):
             report("mixed precision", round_, VERIFY_ROUNDS)
             while predicted > target_loss and position < len(order):
-                matrix, position = order[position], position + 1
-                if spent + extra[matrix.node] > budget:
+                unit, position = order[position], position + 1
+                if spent + added[unit] > budget:
                     skipped = True  # does not fit; a smaller one further down may
                     continue
-                plan[matrix.node], spent = 8, spent + extra[matrix.node]
-                predicted -= saved[matrix.node]
-            set_bits(plan)
-            measured = loss() - base_loss
+                plan.update({m.node: 8 for m in units[unit]})
+                spent += added[unit]
+                predicted -= saved[unit]
+            measured = measure(plan) - base_loss
             if measured <= target_loss:
                 stopped_by = "target met"
                 break
@@ -251,20 +295,13 @@ def search(
                 break
             predicted = measured  # the prediction was optimistic: go on from the measurement
         report("mixed precision", VERIFY_ROUNDS, VERIFY_ROUNDS)
-        predicted = int4_loss - base_loss - sum(saved[node] for node, bits in plan.items() if bits == 8)
+        predicted = int4_loss - base_loss - sum(saved[u] for u in units if plan[units[u][0].node] == 8)
     finally:
         set_bits({})
         model.train(was_training)
 
     choices = [
-        MatrixChoice(
-            m.node,
-            plan[m.node],
-            m.parameters,
-            scale * costs[m.node][0],
-            scale * costs[m.node][1],
-            extra[m.node],
-        )
+        MatrixChoice(m.node, plan[m.node], m.parameters, costs[m.node][0], costs[m.node][1], extra[m.node])
         for m in matrices
     ]
     return PrecisionPlan(
@@ -279,6 +316,7 @@ def search(
         stopped_by=stopped_by,
         tied_embeddings=tied,
         matrices=choices,
+        sensitivity="measured per layer" if group else "predicted",
     )
 
 

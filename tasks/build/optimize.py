@@ -223,8 +223,11 @@ def _apply_recipe(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False)
     context.tokenizer = AutoTokenizer.from_pretrained(base_path)
+    if variant.peer:  # the source's own GGUF copied as is: no float model to load
+        note, parameters = _shipped_gguf(dest, context)
+        return GGUF, llama_cpp.ENGINE, parameters, [note]
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False)
     weights_format, notes = HF_SAFETENSORS, []
     torch_steps = [step for step in variant.steps if step.kind not in EXPORT_STEPS]
     parameters = sum(p.numel() for p in model.parameters())
@@ -236,7 +239,7 @@ def _apply_recipe(
     gguf_step = next((step.llama_cpp for step in variant.steps if step.llama_cpp is not None), None)
     if gguf_step is not None:
         notes.append(_gguf_export(model, gguf_step, base_path, dest, context, changed=bool(torch_steps)))
-        save_tokenizer(AutoTokenizer.from_pretrained(base_path), dest)
+        save_tokenizer(context.tokenizer, dest)
         return GGUF, llama_cpp.ENGINE, parameters, notes
     export = next((step.onnx_genai for step in variant.steps if step.onnx_genai is not None), None)
     if export is not None:
@@ -248,14 +251,14 @@ def _apply_recipe(
             source = base_path if not changed else _save_float_model(model, context.tokenizer, Path(scratch))
             options = plan.builder_options() if plan else None
             build_onnx_genai(source, dest, export, Path(scratch) / "builder-cache", options)
-        save_tokenizer(AutoTokenizer.from_pretrained(base_path), dest)
+        save_tokenizer(context.tokenizer, dest)  # over the builder's copy
         note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
         if plan:
             _check_plan_applied(plan, dest)
             context.mixed_precision = plan.to_dict()
             note += f"; {plan.note()}"
         return ONNX_GENAI, onnx_genai.ENGINE, parameters, [*notes, note]
-    save_tokenizer(AutoTokenizer.from_pretrained(base_path), dest)
+    save_tokenizer(context.tokenizer, dest)
     if weights_format != HF_SAFETENSORS:
         from tasks.build.quantize import save_quantized
 
@@ -268,14 +271,9 @@ def _apply_recipe(
 def _gguf_export(
     model: Any, step: LlamaCppStep, base_path: Path, dest: Path, context: BuildContext, changed: bool
 ) -> str:
-    """The model as a llama.cpp GGUF of `step.type` in `dest` (the shipped file as is for `shipped`)."""
+    """The model as a llama.cpp GGUF of `step.type` in `dest`."""
     from tasks.build import gguf
 
-    if step.type == "shipped":
-        with _step_arguments("llama_cpp"):
-            shipped = gguf.shipped_gguf(context.source)
-        shutil.copyfile(shipped, dest / llama_cpp.MODEL_FILE)
-        return f"llama.cpp, the source's own GGUF as shipped ({shipped.name}): the peer row, never selected"
     with tempfile.TemporaryDirectory(prefix="llmopt-gguf-") as scratch:
         source = _save_float_model(model, context.tokenizer, Path(scratch)) if changed else base_path
         f32 = Path(scratch) / "model-f32.gguf"
@@ -287,11 +285,85 @@ def _gguf_export(
             )
             imatrix = gguf.importance_matrix(model, windows, context.report)
             note += f", importance matrix of {len(imatrix)} tensors from {sum(map(len, windows)):,} calibration tokens"
+        types = None
+        if step.mixed_precision:
+            plan = _gguf_precision_plan(model, step, f32, imatrix, context)
+            types = plan.tensor_types(step.type)
+            context.mixed_precision = plan.to_dict()
+            note += f"; {plan.note()}"
         if step.type == "F32":
             shutil.move(f32, dest / llama_cpp.MODEL_FILE)
         else:
-            gguf.quantize_gguf(f32, dest / llama_cpp.MODEL_FILE, step.type, imatrix)
+            gguf.quantize_gguf(f32, dest / llama_cpp.MODEL_FILE, step.type, imatrix, tensor_types=types)
+        if types:
+            stored = gguf.tensor_types(dest / llama_cpp.MODEL_FILE)
+            wrong = {name: stored.get(name) for name, kind in types.items() if stored.get(name) != kind}
+            if wrong:  # a tensor llama.cpp could not store as planned (its shape fits no block) is named
+                raise ModelSourceError(f"llama_cpp: the GGUF does not hold the planned tensor types: {wrong}")
     return f"{note}; {caveat}" if caveat else note
+
+
+def _gguf_precision_plan(
+    model: Any, step: LlamaCppStep, f32: Path, imatrix: Any, context: BuildContext
+) -> Any:
+    """Which layers stay Q8_0 around `step.type`: what each layer at Q8_0 saves, and then each plan, quantized and
+    measured in llama.cpp on the calibration split (never the evaluation's). The diagonal-Fisher prediction the ONNX
+    search ranks by does not carry over: with an importance matrix llama.cpp's 4-bit rounding error is not the
+    simulated grid's, and measured per layer it ranked the wrong matrices on SmolLM2."""
+    import os
+
+    from tasks.build import gguf
+    from tasks.build.mixed_precision import search
+
+    settings = step.mixed_precision
+    windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
+    threads = len(os.sched_getaffinity(0))
+    trial = f32.with_name("plan.gguf")
+
+    def measure(plan: dict[str, int] | None, quick: bool = False) -> float:
+        sample = windows[: max(1, len(windows) // 4)] if quick else windows  # quick: a layer's sensitivity
+        if plan is None:
+            return llama_cpp.gguf_loss(f32, sample, threads)
+        types = {name: gguf.PLAN_TYPES[bits] if bits == 8 else step.type for name, bits in plan.items()}
+        gguf.quantize_gguf(f32, trial, step.type, imatrix, tensor_types=types)
+        try:
+            return llama_cpp.gguf_loss(trial, sample, threads)
+        finally:
+            trial.unlink()
+
+    with _step_arguments("llama_cpp"):
+        plan = search(
+            model,
+            windows,
+            settings.target_ppl_increase,
+            settings.size_budget,
+            gguf.BLOCK,
+            True,
+            context.report,
+            matrices=gguf.gguf_matrices(model),
+            measure=measure,
+            scale_bytes=gguf.SCALE_BYTES,
+            group=gguf.layer_of,
+        )
+    plan.kept_as = gguf.PLAN_TYPES[8]
+    return plan
+
+
+def _shipped_gguf(dest: Path, context: BuildContext) -> tuple[str, int]:
+    """The source's own GGUF copied into `dest`: (note, parameter count read from the file)."""
+    from gguf import GGUFReader
+
+    from tasks.build import gguf
+
+    with _step_arguments("llama_cpp"):
+        shipped = gguf.shipped_gguf(context.source)
+    shutil.copyfile(shipped, dest / llama_cpp.MODEL_FILE)
+    save_tokenizer(context.tokenizer, dest)
+    parameters = sum(int(tensor.n_elements) for tensor in GGUFReader(str(shipped)).tensors)
+    return (
+        f"llama.cpp, the source's own GGUF as shipped ({shipped.name}): the peer row, never selected",
+        parameters,
+    )
 
 
 def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: BuildContext) -> Any:

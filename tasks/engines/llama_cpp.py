@@ -8,7 +8,6 @@ lengths step together exactly: llama.cpp's attention mask keeps every sequence t
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,12 @@ MAX_SEQUENCES = 64  # sequences one serving decoder steps together (serve.max_ba
 UBATCH = 512  # tokens llama.cpp computes at once (its default; bounds the compute buffers)
 
 _init_lock = threading.Lock()
-_initialised = False
+_quiet_callback: Any = None  # kept referenced: llama.cpp calls it for the life of the process
 
 
 def llama_cpp_module() -> Any:
     """llama_cpp's C bindings, the backend initialised once per process and its log kept off stderr."""
-    global _initialised
+    global _quiet_callback
     try:
         import llama_cpp
     except ImportError as exc:  # an install without the source-built wheel (make install builds it)
@@ -40,26 +39,15 @@ def llama_cpp_module() -> Any:
             f"machine) ({exc})"
         ) from exc
     with _init_lock:
-        if not _initialised:
-            llama_cpp.llama_log_set(_QUIET, ctypes.c_void_p(0))
+        if _quiet_callback is None:
+            _quiet_callback = llama_cpp.llama_log_callback(_quiet)
+            llama_cpp.llama_log_set(_quiet_callback, ctypes.c_void_p(0))
             llama_cpp.llama_backend_init()
-            _initialised = True
     return llama_cpp
 
 
 def _quiet(level: int, text: bytes, user_data: Any) -> None:
     return None
-
-
-def _make_quiet_callback() -> Any:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return llama_cpp.llama_log_callback(_quiet)
-
-
-_QUIET = _make_quiet_callback()  # kept referenced: llama.cpp calls it for the life of the process
 
 
 class GgufModel:
@@ -96,7 +84,6 @@ class LlamaCppRuntime(Runtime):
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self._model = GgufModel(folder / MODEL_FILE)
         self._threads = threads
-        self.n_vocab = self._model.n_vocab
         self.context_length = self._model.n_ctx_train
         self._context: _Context | None = None
 
@@ -263,18 +250,15 @@ def _room_for(tokens: int) -> int:
     return max(512, 1 << int(tokens + 64).bit_length())
 
 
-def gguf_metadata(path: Path) -> dict[str, Any]:
-    """A GGUF file's scalar metadata (architecture, file type …) read with the `gguf` package."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    values = {}
-    for field in reader.fields.values():
-        if len(field.types) == 1 and field.data:
-            part = field.parts[field.data[0]]
-            values[field.name] = (
-                bytes(part).decode("utf-8", "replace")
-                if field.types[0].name == "STRING"
-                else part.tolist()[0]
-            )
-    return json.loads(json.dumps(values, default=str))
+def gguf_loss(path: Path, sequences: list[list[int]], threads: int) -> float:
+    """Mean next-token loss per token of the GGUF file at `path` over `sequences` (how the mixed-precision search
+    measures a plan in llama.cpp itself)."""
+    model = GgufModel(path)
+    context = _Context(model, _room_for(max(len(ids) for ids in sequences)), 1, threads)
+    total, tokens = 0.0, 0
+    for ids in sequences:
+        context.clear()
+        (logits,) = context.decode([(0, ids, 0, True)])
+        nll, count = next_token_nll(logits, ids)
+        total, tokens = total + nll, tokens + count
+    return total / max(tokens, 1)

@@ -107,8 +107,9 @@ def speed_plot(board: Leaderboard, path: Path) -> Path:
 
 
 def precision_plot(plan: dict, path: Path) -> Path:
-    """A mixed-precision plan: every exported matrix's predicted loss cost at int4 (what keeping it at int8
-    saves), in graph order, the ones kept at int8 highlighted, with the search's outcome in the title."""
+    """A mixed-precision plan: every exported matrix's loss cost at 4 bits (what keeping it at 8 bits saves;
+    predicted, or measured per layer and shared by parameters), in graph order, the ones kept highlighted, with the
+    search's outcome in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,17 +122,21 @@ def precision_plot(plan: dict, path: Path) -> Path:
     colours = ["tab:orange" if m["bits"] == 8 else "tab:blue" for m in matrices]
     axes.bar(positions, costs, color=colours, width=0.9)
     axes.set_yscale("log")
-    layers = [i for i, m in enumerate(matrices) if "/qkv_proj/" in m["node"]]
-    axes.set_xticks(layers[:: max(1, len(layers) // 15)])
-    axes.set_xticklabels([matrices[i]["node"].split("/")[2] for i in layers[:: max(1, len(layers) // 15)]])
+    gguf = matrices[0]["node"].startswith("blk.")  # llama.cpp's tensor names, else the ONNX builder's nodes
+    first = ".attn_q.weight" if gguf else "/qkv_proj/"
+    layers = [i for i, m in enumerate(matrices) if first in m["node"]][:: max(1, len(matrices) // 75)]
+    axes.set_xticks(layers)
+    axes.set_xticklabels([matrices[i]["node"].split("." if gguf else "/")[1 if gguf else 2] for i in layers])
     axes.tick_params(axis="x", labelsize=7, rotation=45)
+    kept_as, sensitivity = plan.get("kept_as", "int8"), plan.get("sensitivity", "predicted")
+    order = "q, k, v, o, gate, up, down" if gguf else "qkv, o, gate, up, down; last: lm_head"
     axes.set(
-        ylabel="loss saved at int8 (nats/token, predicted)",
-        xlabel="matrices in graph order (per layer: qkv, o, gate, up, down; last: lm_head)",
+        ylabel=f"loss saved at {kept_as} (nats/token, {sensitivity})",
+        xlabel=f"matrices in graph order (per {'layer (blk.N)' if gguf else 'layer'}: {order})",
     )
     kept = sum(1 for m in matrices if m["bits"] == 8)
     axes.set_title(
-        f"{kept} of {len(matrices)} matrices kept at int8 (orange), stopped by {plan['stopped_by']}: calibration "
+        f"{kept} of {len(matrices)} matrices kept at {kept_as} (orange), stopped by {plan['stopped_by']}: calibration "
         f"perplexity {plan['measured_ppl_increase']:+.1%} (all-int4 {plan['int4_ppl_increase']:+.1%}, target "
         f"{plan['target_ppl_increase']:+.1%}), {plan['size_ratio']:.0%} of int8's bytes",
         fontsize=9,

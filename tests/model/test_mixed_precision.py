@@ -61,13 +61,13 @@ def planted_base(
     return PreparedBase(folder, folder_sha256(folder), "planted")
 
 
-def test_the_planted_matrix_stays_int8_and_the_rest_goes_int4_using_calibration_text_only(
-    planted_base, tmp_path, monkeypatch
-):
+def _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch):
+    """Build `recipe` on the planted model through the optimize stage; the search must see calibration text only
+    (the evaluation split holds words the calibration split never has)."""
     import tasks.build.mixed_precision as mixed_precision
 
     calibration = [" ".join(synthetic_sentences(40, seed=s)) for s in range(6)]
-    evaluation = ["zebra quartz " * 30]  # words the calibration split never has
+    evaluation = ["zebra quartz " * 30]
     data = write_splits({"calibration": calibration, "evaluation": evaluation}, tmp_path / "data")
     seen = []
     real_search = mixed_precision.search
@@ -79,24 +79,53 @@ def test_the_planted_matrix_stays_int8_and_the_rest_goes_int4_using_calibration_
     monkeypatch.setattr(mixed_precision, "search", search)
     inputs = Inputs(planted_base, Stored(planted_base.path), data, Stored(tmp_path / "data"))
     built = optimize_task.fn(
-        "mixed", VariantConfig.model_validate(RECIPE), inputs, Workspace(tmp_path / "work")
+        "mixed", VariantConfig.model_validate(recipe), inputs, Workspace(tmp_path / "work")
     )
 
     from transformers import AutoTokenizer
 
     text = AutoTokenizer.from_pretrained(planted_base.path).decode(sum(seen, []))
-    assert (
-        seen and "zebra" not in text and "quartz" not in text
-    )  # the evaluation split never reached the search
+    assert seen and "zebra" not in text and "quartz" not in text  # the evaluation split never reached it
+    return built, tmp_path / "work" / "variants" / "mixed"
+
+
+def test_the_planted_matrix_stays_int8_and_the_rest_goes_int4_using_calibration_text_only(
+    planted_base, tmp_path, monkeypatch
+):
+    built, folder = _build_reading_only_calibration(RECIPE, planted_base, tmp_path, monkeypatch)
     plan = built.manifest.mixed_precision
     kept = [m["node"] for m in plan["matrices"] if m["bits"] == 8]
     assert kept == [PLANTED], plan
     assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
-    exported = weight_bits(tmp_path / "work" / "variants" / "mixed")
+    exported = weight_bits(folder)
     assert exported.pop(PLANTED) == 8
     embedding = "/model/embed_tokens/GatherBlockQuantized"  # still the int4 table shared with the lm_head
     assert exported == {embedding: 4} | {m["node"]: 4 for m in plan["matrices"] if m["node"] != PLANTED}
     assert "1 of 11 matrices kept at int8" in " ".join(built.manifest.notes)
+
+
+def test_llama_cpp_keeps_the_planted_layer_at_q8_0_and_the_rest_at_q4_0_using_calibration_text_only(
+    planted_base, tmp_path, monkeypatch
+):
+    """In llama.cpp the search measures each layer at Q8_0 and each plan in llama.cpp itself: the layer holding
+    the planted matrix is kept, the other goes to Q4_0, and the GGUF stores exactly that."""
+    from tasks.build.gguf import tensor_types
+
+    settings = RECIPE["steps"][0]["onnx_genai"]["mixed_precision"] | {
+        "size_budget": 0.8
+    }  # one of 2 layers fits
+    recipe = {"steps": [{"llama_cpp": {"type": "Q4_0", "mixed_precision": settings}}]}
+    built, folder = _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch)
+    plan = built.manifest.mixed_precision
+    kept = {m["node"] for m in plan["matrices"] if m["bits"] == 8}
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    assert kept == {f"blk.1.{name}.weight" for name in names}, plan
+    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
+    stored = tensor_types(folder / "model.gguf")
+    assert {m["node"]: stored[m["node"]] for m in plan["matrices"]} == {
+        m["node"]: "Q8_0" if m["node"] in kept else "Q4_0" for m in plan["matrices"]
+    }
+    assert "7 of 14 matrices kept at Q8_0" in " ".join(built.manifest.notes)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

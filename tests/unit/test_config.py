@@ -228,7 +228,15 @@ def test_repository_full_profile_loads_and_enables_every_step_kind():
             [{"prune": {"method": "unstructured"}}, {"llama_cpp": {"type": "shipped"}}],
             "it takes no other steps",
         ),
-        ([{"llama_cpp": {"type": "shipped", "imatrix": True}}], "imatrix does not apply"),
+        ([{"llama_cpp": {"type": "shipped", "imatrix": True}}], "imatrix and mixed_precision do not apply"),
+        (
+            [{"llama_cpp": {"type": "shipped", "mixed_precision": {}}}],
+            "imatrix and mixed_precision do not apply",
+        ),
+        (
+            [{"llama_cpp": {"type": "Q4_K_M", "mixed_precision": {}}}],
+            "mixed_precision applies to type Q4_0 or",
+        ),
         ([{"llama_cpp": {"imatrix_windows": 8}}], "imatrix_windows applies only with imatrix: true"),
         ([{"llama_cpp": {"type": "Q3_K"}}], "llama_cpp.type: Input should be 'F32'"),
     ],

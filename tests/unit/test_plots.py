@@ -1,5 +1,7 @@
 from dataclasses import replace
 
+import pytest
+
 from tasks.config import SelectConfig
 from tasks.decide.select import build_leaderboard
 from tasks.report.plots import precision_plot, speed_plot, tradeoff_plot
@@ -27,11 +29,18 @@ def test_speed_plot_draws_batches_and_prompt_lengths(tmp_path):
     assert path.stat().st_size > 20_000
 
 
-def test_precision_plot_draws_every_matrix_of_a_mixed_precision_plan(tmp_path):
-    nodes = [f"/model/layers.{i}/{p}/MatMul" for i in range(2) for p in ("attn/qkv_proj", "attn/o_proj")]
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [f"/model/layers.{i}/{p}/MatMul" for i in range(2) for p in ("attn/qkv_proj", "attn/o_proj")]
+        + ["/lm_head/MatMul"],
+        [f"blk.{i}.{p}.weight" for i in range(2) for p in ("attn_q", "attn_k", "ffn_down")],  # llama.cpp's
+    ],
+)
+def test_precision_plot_draws_every_matrix_of_a_mixed_precision_plan(tmp_path, nodes):
     matrices = [
         {"node": node, "bits": 8 if i == 1 else 4, "int4_cost": 0.01 * (i + 1), "int8_cost": 1e-5}
-        for i, node in enumerate([*nodes, "/lm_head/MatMul"])
+        for i, node in enumerate(nodes)
     ]
     plan = {
         "matrices": matrices,
