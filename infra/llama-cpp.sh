@@ -14,19 +14,30 @@ house=${LLMOPT_WHEELHOUSE:-$HOME/.cache/llmopt/wheels}
 pip=("$venv/bin/pip" --quiet --quiet --disable-pip-version-check)
 sdist=$house/llama_cpp_python-$version.tar.gz
 cmake_args=${CMAKE_ARGS:--DGGML_NATIVE=ON}
-# A native build runs only on CPUs with this one's instruction sets: the wheel is kept per build flags and CPU
-# flags, so a home directory shared between machines never hands an AVX-512 build to an AVX2-only CPU.
-cpu=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m)
-built=$house/$(printf '%s\n%s\n' "$cmake_args" "$cpu" | sha256sum | cut -c1-12)
+# The CPU's instruction sets: a native build runs only where they all exist, so the wheel is kept per build flags
+# and instruction sets, and a home directory shared between machines never hands an AVX-512 build to an AVX2 CPU.
+isa=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null | tr ' ' '\n' \
+  | grep -E '^(avx|amx|fma|f16c|sse|ssse|bmi|asimd|sve|i8mm|dotprod|fphp)' | sort -u | tr '\n' ' ' || true)
+[ -n "$isa" ] || isa=$(uname -m)
+# llama.cpp's AMX kernels, which -march=native compiles in on Sapphire Rapids and later, crash in
+# ggml_backend_amx_mul_mat on the first quantized matmul (llama.cpp issue #20824, unfixed in 0.3.36's tree; measured
+# here on SmolLM2 Q8_0/Q4_0/Q4_K_M): a native build leaves them out and keeps AVX-512/VNNI.
+no_amx=
+if [[ $cmake_args == *GGML_NATIVE=ON* && " $isa " == *" amx_int8 "* ]]; then
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+built=$house/$(printf '%s\n%s\n%s\n' "$cmake_args" "$no_amx" "$isa" | sha256sum | cut -c1-12)
 mkdir -p "$house" "$built"
 if [ ! -f "$sdist" ]; then
   "${pip[@]}" download --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$house"
 fi
 wheels=("$built"/llama_cpp_python-"$version"-*.whl)
 if [ ! -f "${wheels[0]}" ]; then
-  echo "llama-cpp-python $version: building llama.cpp from source ($cmake_args), once per machine (~5 min on 2 cores) ..."
+  echo "llama-cpp-python $version: building llama.cpp from source ($cmake_args${no_amx:+, $no_amx}), once per" \
+    "machine (~5 min on 2 cores) ..."
   start=$SECONDS
-  CMAKE_ARGS=$cmake_args CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "${pip[@]}" wheel --no-deps "$sdist" -w "$built"
+  CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" CMAKE_ARGS=$cmake_args \
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "${pip[@]}" wheel --no-deps "$sdist" -w "$built"
   echo "llama-cpp-python $version: built in $((SECONDS - start)) s; wheel kept in $built"
   wheels=("$built"/llama_cpp_python-"$version"-*.whl)
 fi
