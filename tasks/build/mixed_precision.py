@@ -75,9 +75,10 @@ class PrecisionPlan:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def tensor_types(self, four_bit: str) -> dict[str, str]:
-        """llama.cpp: GGUF tensor name → type, `four_bit` or the 8-bit type the plan keeps."""
-        return {m.node: self.kept_as if m.bits == 8 else four_bit for m in self.matrices}
+    def tensor_types(self) -> dict[str, str]:
+        """llama.cpp: the tensors the plan keeps at 8 bits → their type (the rest keep llama.cpp's own choice for
+        the file type: Q4_0 with an importance matrix stores the first layers' ffn_down as Q4_1)."""
+        return {m.node: self.kept_as for m in self.matrices if m.bits == 8}
 
     def builder_options(self) -> dict[str, Any]:
         """`--target_options` of ONNX Runtime GenAI's model builder: these nodes at int8, the rest at int4."""
@@ -170,8 +171,9 @@ def search(
     `matrices`: what the export quantizes (default: the ONNX builder's nodes). `measure(plan)`: the mean loss per
     token on `windows` with each matrix at its planned bits (None: unquantized); default: the simulated grid.
     `group(matrix)`: when given, sensitivity is measured rather than predicted: each group (e.g. a layer) goes to 8
-    bits alone, `measure(plan, quick=True)` (on a quarter of the windows) says what that saves, and the search keeps
-    whole groups at 8 bits; every plan is still measured on all windows."""
+    bits alone, `measure(plan, quick=True)` (the caller's cheaper measurement: llama.cpp's uses a quarter of the
+    windows) says what that saves, and the search keeps whole groups at 8 bits; every plan is still measured in
+    full. A `size_budget` with no room for any unit at 8 bits is refused before anything is measured."""
     import torch
 
     if not windows:
@@ -227,6 +229,14 @@ def search(
     units: dict[str, list[Matrix]] = {}
     for matrix in matrices:
         units.setdefault(group(matrix) if group else matrix.node, []).append(matrix)
+    added = {unit: sum(extra[m.node] for m in members) for unit, members in units.items()}
+    if min(added.values()) > budget:  # the search could only end where it starts
+        smallest = min(added.values())
+        raise ValueError(
+            f"mixed_precision.size_budget: {size_budget} leaves no room for any {'group' if group else 'matrix'} "
+            f"at 8 bits (all 4-bit is already {int4_bytes / int8_bytes:.1%} of the 8-bit bytes; the smallest "
+            f"needs {(int4_bytes + smallest) / int8_bytes:.1%})"
+        )
 
     was_training = model.training
     model.eval()
@@ -258,6 +268,8 @@ def search(
             predicted_all = sum(c4 for c4, _ in costs.values())
             scale = max((int4_loss - base_loss) / predicted_all, 0.0) if predicted_all > 0 else 1.0
             costs = {node: (scale * c4, scale * c8) for node, (c4, c8) in costs.items()}
+        elif int4_loss - base_loss <= math.log1p(target_ppl_increase):  # nothing to keep: no per-group runs
+            costs = {m.node: (0.0, 0.0) for m in matrices}
         else:
             int4_quick = measure(all_int4, quick=True)
             for index, members in enumerate(units.values()):
@@ -270,11 +282,11 @@ def search(
         saved = {
             unit: sum(costs[m.node][0] - costs[m.node][1] for m in members) for unit, members in units.items()
         }
-        added = {unit: sum(extra[m.node] for m in members) for unit, members in units.items()}
         order = sorted((u for u in units if saved[u] > 0), key=lambda u: saved[u] / added[u], reverse=True)
         target_loss = math.log1p(target_ppl_increase)
         plan, spent, position, skipped = dict(all_int4), 0, 0, False
         predicted = measured = int4_loss - base_loss
+        last_measured = dict(plan)
         stopped_by = f"{VERIFY_ROUNDS} measured plans"
         for round_ in range(VERIFY_ROUNDS):
             report("mixed precision", round_, VERIFY_ROUNDS)
@@ -286,7 +298,8 @@ def search(
                 plan.update({m.node: 8 for m in units[unit]})
                 spent += added[unit]
                 predicted -= saved[unit]
-            measured = measure(plan) - base_loss
+            if plan != last_measured:  # a round that added nothing keeps the last measurement
+                measured, last_measured = measure(plan) - base_loss, dict(plan)
             if measured <= target_loss:
                 stopped_by = "target met"
                 break

@@ -288,7 +288,7 @@ def _gguf_export(
         types = None
         if step.mixed_precision:
             plan = _gguf_precision_plan(model, step, f32, imatrix, context)
-            types = plan.tensor_types(step.type)
+            types = plan.tensor_types()
             context.mixed_precision = plan.to_dict()
             note += f"; {plan.note()}"
         if step.type == "F32":
@@ -298,7 +298,7 @@ def _gguf_export(
         if types:
             stored = gguf.tensor_types(dest / llama_cpp.MODEL_FILE)
             wrong = {name: stored.get(name) for name, kind in types.items() if stored.get(name) != kind}
-            if wrong:  # a tensor llama.cpp could not store as planned (its shape fits no block) is named
+            if wrong:  # a kept tensor llama.cpp could not store as planned (its shape fits no block) is named
                 raise ModelSourceError(f"llama_cpp: the GGUF does not hold the planned tensor types: {wrong}")
     return f"{note}; {caveat}" if caveat else note
 
@@ -324,8 +324,9 @@ def _gguf_precision_plan(
         sample = windows[: max(1, len(windows) // 4)] if quick else windows  # quick: a layer's sensitivity
         if plan is None:
             return llama_cpp.gguf_loss(f32, sample, threads)
-        types = {name: gguf.PLAN_TYPES[bits] if bits == 8 else step.type for name, bits in plan.items()}
-        gguf.quantize_gguf(f32, trial, step.type, imatrix, tensor_types=types)
+        # the kept tensors at 8 bits; the rest as llama.cpp stores `step.type` (its own per-tensor choices included)
+        types = {name: gguf.PLAN_TYPES[bits] for name, bits in plan.items() if bits == 8}
+        gguf.quantize_gguf(f32, trial, step.type, imatrix, threads, tensor_types=types)
         try:
             return llama_cpp.gguf_loss(trial, sample, threads)
         finally:

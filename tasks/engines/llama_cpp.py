@@ -256,9 +256,12 @@ def gguf_loss(path: Path, sequences: list[list[int]], threads: int) -> float:
     model = GgufModel(path)
     context = _Context(model, _room_for(max(len(ids) for ids in sequences)), 1, threads)
     total, tokens = 0.0, 0
-    for ids in sequences:
-        context.clear()
-        (logits,) = context.decode([(0, ids, 0, True)])
-        nll, count = next_token_nll(logits, ids)
-        total, tokens = total + nll, tokens + count
+    try:
+        for ids in sequences:
+            context.clear()
+            (logits,) = context.decode([(0, ids, 0, True)])
+            nll, count = next_token_nll(logits, ids)
+            total, tokens = total + nll, tokens + count
+    finally:  # freed now, not when a traceback holding this frame goes (the search quantizes and loads many)
+        del context, model
     return total / max(tokens, 1)

@@ -222,3 +222,39 @@ def _held_out_loss(folder: Path) -> float:
     ids = runtime.encode(" ".join(synthetic_sentences(60, seed=77)))
     scored = runtime.score([ids[i : i + 128] for i in range(0, 512, 128)])
     return sum(total for total, _ in scored) / sum(count for _, count in scored)
+
+
+def test_the_per_layer_search_measures_only_what_can_change_the_plan(tiny_model_dir):
+    """Each llama.cpp measurement quantizes and scores a whole model: when all-4-bit already meets the target no
+    layer is measured, and a size budget with no room for one layer at Q8_0 is refused before anything is."""
+    from transformers import AutoModelForCausalLM
+
+    from tasks.build import gguf
+    from tasks.build.mixed_precision import search
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    calls = []
+
+    def measure(plan, quick=False):
+        calls.append((plan, quick))
+        return 2.0 if plan is None else 2.001  # all 4-bit: +0.1 % perplexity
+
+    grouped = {
+        "matrices": gguf.gguf_matrices(model),
+        "measure": measure,
+        "scale_bytes": gguf.SCALE_BYTES,
+        "group": gguf.layer_of,
+    }
+    windows = [[1, 2, 3, 4]] * 4
+    plan = search(model, windows, 0.02, 0.8, gguf.BLOCK, True, **grouped)
+    assert (plan.stopped_by, plan.int8_nodes, [quick for _, quick in calls]) == (
+        "target met",
+        [],
+        [False, False],
+    )
+    assert plan.tensor_types() == {}  # nothing overridden: llama.cpp's own choice for every tensor
+    calls.clear()
+    # all 4-bit is 52.9 % of the 8-bit bytes, one of the 2 layers at Q8_0 needs 76.5 %
+    with pytest.raises(ValueError, match=r"size_budget: 0.7 leaves no room for any group .* needs 76.5%"):
+        search(model, windows, 0.02, 0.7, gguf.BLOCK, True, **grouped)
+    assert calls == []
