@@ -4,7 +4,7 @@
 # The package registry has no llama-cpp-python wheel for this platform, so it is built from its source package,
 # once per machine: ~5 minutes on 2 cores (CMAKE_ARGS defaults to -DGGML_NATIVE=ON: kernels for this CPU). The
 # source package and the wheel are kept in $LLMOPT_WHEELHOUSE (default ~/.cache/llmopt/wheels; the wheel in a
-# folder named by the build flags and the CPU's flags); later installs on the same CPU reuse them in seconds. The
+# folder named by the build flags and the CPU's instruction sets); later installs on the same CPU reuse them. The
 # converter (convert_hf_to_gguf.py, conversion/, gguf-py/) comes from the same source package's llama.cpp tree
 # and goes to <venv>/share/llama.cpp, where tasks/build/gguf.py runs it.
 # Usage: infra/llama-cpp.sh VENV VERSION
