@@ -237,10 +237,11 @@ def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderbo
 
 
 def objective_key(row: LeaderboardRow, objective: Objective) -> tuple[float, ...]:
-    """Larger is better: the objective's measure, then accuracy and memory break ties."""
+    """Larger is better: the objective's measure, then accuracy and memory break ties (for memory, whose measure
+    is peak RSS then size: accuracy, then batch-1 speed)."""
     s = row.score
     if objective == "memory":
-        return (-s.peak_rss_mb, -s.size_bytes, s.decode_tok_s, -row.ppl_ratio)
+        return (-s.peak_rss_mb, -s.size_bytes, -row.ppl_ratio, s.decode_tok_s)
     return (s.speed(objective), -row.ppl_ratio, -s.peak_rss_mb)
 
 

@@ -1,7 +1,9 @@
-"""Distillation on tiny random Llamas: the student is a consistent shallower model, learns, resumes exactly, stops."""
+"""Distillation on tiny random Llamas: the student is a consistent shallower model, learns, resumes exactly, stops,
+and is what an onnx_genai export after it carries."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tasks.build.distill import CHECKPOINT_FILE, DistillSettings, build_student, distill, student_layers
+from tasks.build.optimize import build_variant
+from tasks.config import VariantConfig
+from tasks.engines import load_runtime
+from tasks.inputs.load import PreparedBase
+from tasks.storage import folder_sha256
 from tests.factories import synthetic_sentences
 
 SETTINGS = DistillSettings(
@@ -152,3 +159,59 @@ def test_distillation_stops_at_max_seconds_and_checkpoints_where_it_stopped(teac
     assert len(result.history) == result.step
     assert torch.load(result.checkpoint, weights_only=True)["step"] == result.step
     assert time.monotonic() - started < 30  # generous: one step of a tiny model takes well under a second
+
+
+@pytest.fixture(scope="module")
+def teacher_base(teacher, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> PreparedBase:
+    """The 4-layer teacher as the pipeline's load stage hands a base model over."""
+    folder = tmp_path_factory.mktemp("teacher")
+    teacher.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(folder)
+    return PreparedBase(folder, folder_sha256(folder), "teacher")
+
+
+DISTILL_STEP = {  # a tiny training budget: the export, not the training, is under test
+    "distill": {"keep_every": 2, "steps": 4, "batch_size": 2, "sequence_tokens": 32, "checkpoint_every": 2}
+}
+
+
+def test_distill_then_onnx_genai_exports_the_smaller_student_that_scores_like_its_torch_twin(
+    teacher_base, tmp_path
+):
+    """The graph has the student's 3 layers, not the teacher's 4, and its scores are the distilled torch
+    student's to float rounding (far from the teacher's)."""
+    import onnx
+
+    recipes = {
+        "teacher": [],
+        "student": [DISTILL_STEP],
+        "onnx": [DISTILL_STEP, {"onnx_genai": {"precision": "fp32"}}],
+    }
+    calibration = [" ".join(synthetic_sentences(20, seed=s)) for s in range(4)]
+    manifests = {
+        name: build_variant(
+            name,
+            VariantConfig.model_validate({"steps": steps}),
+            teacher_base,
+            "d",
+            tmp_path / name,
+            calibration,
+        )
+        for name, steps in recipes.items()
+    }
+    runtimes = {name: load_runtime(tmp_path / name, threads=1) for name in recipes}
+    assert runtimes["onnx"].manifest.engine == "onnxruntime-genai"
+    decoder = json.loads((tmp_path / "onnx" / "genai_config.json").read_text())["model"]["decoder"]
+    graph = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False).graph
+    caches = [
+        i.name for i in graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key")
+    ]
+    assert (
+        decoder["num_hidden_layers"] == len(caches) == runtimes["student"].model.config.num_hidden_layers == 3
+    )
+    assert manifests["onnx"].parameters == manifests["student"].parameters < manifests["teacher"].parameters
+    assert len(manifests["onnx"].training["distill_loss"]) == 4
+    ids = runtimes["student"].encode("The river walks the stone near the garden")
+    nll = {name: runtime.score([ids])[0][0] for name, runtime in runtimes.items()}
+    assert nll["onnx"] == pytest.approx(nll["student"], rel=1e-4)
+    assert abs(nll["student"] - nll["teacher"]) > 0.01 * nll["teacher"]

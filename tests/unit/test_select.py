@@ -161,3 +161,56 @@ def test_the_peer_row_is_ranked_but_never_wins():
     )
     assert board.winner == "ok" and board.rows[0].score.variant == "gguf_shipped"
     assert board.rows[0].within_budget and board.rows[0].failures[0].startswith("peer row")
+
+
+@pytest.mark.parametrize(
+    ("setting", "field", "failure"),
+    [
+        ("max_ttft_ms", "ttft_ms", "TTFT 300 ms > max_ttft_ms 100"),
+        ("max_rss_mb", "peak_rss_mb", "peak RSS 300 MB > max_rss_mb 100"),
+    ],
+)
+def test_a_variant_over_a_latency_or_memory_constraint_is_excluded_and_its_row_says_why(
+    setting, field, failure
+):
+    """The fastest variant breaks the constraint; one exactly at the limit meets it and wins."""
+    over = replace(score("over", 1.0, 50), **{field: 300.0})
+    at_limit = replace(score("at_limit", 1.0, 30), **{field: 100.0})
+    scores = [score("baseline", 1.0, 10), over, at_limit]
+    assert build_leaderboard(scores, SelectConfig()).winner == "over"  # unconstrained, speed decides
+    board = build_leaderboard(scores, SelectConfig(**{setting: 100.0}))
+    assert board.winner == "at_limit"
+    assert board.row("over").within_budget and board.row("over").failures == (failure,)
+    assert not board.row("over").qualifies and board.row("at_limit").failures == ()
+    assert board.reason == "best latency of 2 qualifying variants"
+    assert failure in board.to_csv()
+
+
+def tied(name: str, ratio: float, speed: float, rss: float) -> VariantScore:
+    """A variant measured at `speed` alone and 4 × `speed` at batch 8, with `rss` MB peak memory."""
+    return replace(
+        score(name, ratio, speed), batch_decode_tok_s=((1, speed), (8, 4 * speed)), peak_rss_mb=rss
+    )
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput", "memory"])
+@pytest.mark.parametrize("accurate_first", [True, False])
+def test_when_the_objective_ties_the_more_accurate_variant_wins(objective, accurate_first):
+    """Equal on the objective's measure (for memory: peak RSS and size, and the less accurate one is faster)."""
+    accurate = tied("accurate", 1.01, 30, 500.0)
+    sloppy = tied("sloppy", 1.03, 40 if objective == "memory" else 30, 500.0)
+    pair = [accurate, sloppy] if accurate_first else [sloppy, accurate]
+    board = build_leaderboard([tied("baseline", 1.0, 10, 1000.0), *pair], SelectConfig(objective=objective))
+    order = [row.score.variant for row in board.rows]
+    assert board.row("sloppy").qualifies and board.winner == "accurate"
+    assert order.index("accurate") < order.index("sloppy")
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+@pytest.mark.parametrize("lean_first", [True, False])
+def test_when_the_objective_and_accuracy_tie_the_variant_using_less_memory_wins(objective, lean_first):
+    lean, heavy = tied("lean", 1.01, 30, 400.0), tied("heavy", 1.01, 30, 600.0)
+    pair = [lean, heavy] if lean_first else [heavy, lean]
+    board = build_leaderboard([tied("baseline", 1.0, 10, 1000.0), *pair], SelectConfig(objective=objective))
+    assert board.row("heavy").qualifies and board.winner == "lean"
+    assert board.row("lean").on_frontier and not board.row("heavy").on_frontier
