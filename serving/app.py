@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -446,7 +447,10 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
             watch_alias(model, config.target.threads, settings.watch_s, limits, metrics)
         served.append(model)
     app = create_app(ModelRouter(served), settings, metrics)
-    # uvicorn lets in-flight requests (streams included) finish on SIGTERM/Ctrl-C before the lifespan shutdown
+    # uvicorn lets in-flight requests (streams included) finish on SIGTERM/Ctrl-C before the lifespan shutdown,
+    # then raises the signal again under the handler it found: a drained stop is a clean exit (status 0), not a
+    # death by SIGTERM's default action (143)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=settings.request_timeout_s
     )

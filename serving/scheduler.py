@@ -151,7 +151,7 @@ class Scheduler:
                 orphans = [*(item.request for item in running.values()), *self._queue]
                 self._queue.clear()
             for request in orphans:
-                self._end(request, ("error", f"the model's worker stopped: {exc}"))
+                self._end(request, ("error", f"the model's worker stopped: {_first_line(exc)}"))
 
     def _serve(self, running: dict[int, _Running]) -> None:
         decoder = self.runtime.batch_decoder()
@@ -174,7 +174,7 @@ class Scheduler:
             except Exception as exc:  # a failed step ends the requests it carried, never the worker
                 log.exception("engine step failed")
                 for item in running.values():
-                    self._end(item.request, ("error", f"generation failed: {exc}"))
+                    self._end(item.request, ("error", f"generation failed: {_first_line(exc)}"))
                 running.clear()
             self.steps += decoder.steps - calls
             if self.metrics:
@@ -225,7 +225,7 @@ class Scheduler:
     ) -> None:
         if sequence is not None and running.pop(sequence, None) is not None:
             decoder.remove(sequence)
-        self._end(request, ("error", f"generation failed: {exc}"))
+        self._end(request, ("error", f"generation failed: {_first_line(exc)}"))
 
     def _emit(self, decoder: Any, running: dict[int, _Running], sequence: int, logits: np.ndarray) -> None:
         """Pick and send the sequence's next token; retire the sequence when it is finished."""
@@ -257,6 +257,12 @@ class Scheduler:
             request.on_event(event)
         except Exception:  # the receiver is gone (its event loop closed): nothing left to tell
             log.debug("a finished request's receiver is gone", exc_info=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    """What a client is told of a failure: the first line of its message. Engines append their own stack (or a
+    worker's traceback) to it; that stays in the server log, beside ours."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _logprob(logits: np.ndarray, token: int) -> float:
