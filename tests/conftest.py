@@ -1,4 +1,5 @@
-"""Shared fixtures: offline environment, a synthetic corpus and a tiny model built once per session."""
+"""Shared fixtures (offline environment, a synthetic corpus, a tiny model random and trained, built once per
+session) and the rule that no test skips silently: a skip outside SKIPS_ALLOWED fails the run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import build_tiny_llama, synthetic_sentences, write_corpus
+from tests.factories import build_tiny_llama, synthetic_sentences, train_tiny_llama, write_corpus
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -17,6 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), synthetic_sentences(400, seed=99))
+
+
+@pytest.fixture(scope="session")
+def trained_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model trained on the synthetic sentences (seeded, ~5 s once per run): its loss is far below
+    uniform, so every accuracy test of a technique can tell a working quantizer from a no-op or a destroyer."""
+    folder = tmp_path_factory.mktemp("tiny-llama-trained")
+    return train_tiny_llama(tiny_model_dir, folder, synthetic_sentences(1500, seed=7))
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +42,51 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Markers whose tests may skip (where the machine cannot run them); any other skip fails the run, so a missing
+# service, an unmounted tmpfs or a lost import never hides coverage behind a line in the summary.
+SKIPS_ALLOWED = {"cuda": "needs an NVIDIA GPU"}
+_unexpected_skips: list[str] = []
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--planted-quantizer",
+        choices=["noop", "scramble"],
+        default=None,
+        help="build tests/model/test_techniques.py's variants with a broken quantizer (its tests must then fail)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda_tests = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda_tests:
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in cuda_tests:
+                item.add_marker(pytest.mark.skip(reason=f"cuda: {SKIPS_ALLOWED['cuda']}, none is visible"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    allowed = SKIPS_ALLOWED.keys() & set(report.keywords)
+    if report.skipped and not hasattr(report, "wasxfail") and not allowed:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _unexpected_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _unexpected_skips and os.environ.get("LLMOPT_ALLOW_SKIPS") != "1":
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _unexpected_skips:
+        allowed = os.environ.get("LLMOPT_ALLOW_SKIPS") == "1"
+        terminalreporter.section(
+            "skips outside the allow-list"
+            + (" (allowed by LLMOPT_ALLOW_SKIPS=1)" if allowed else ": the run fails")
+        )
+        for line in _unexpected_skips:
+            terminalreporter.line(line)

@@ -76,3 +76,31 @@ def build_tiny_llama(folder: Path, corpus: list[str], seed: int = 0) -> Path:
     LlamaForCausalLM(config).save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
+
+
+def train_tiny_llama(source: Path, folder: Path, corpus: list[str], steps: int = 200, seed: int = 0) -> Path:
+    """`source` trained briefly (seeded, full-batch Adam on 64-token windows of `corpus`) and saved to `folder`: its
+    predictions are far from uniform, so a quantizer's damage shows in its loss (a random model's barely moves)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    ids = tokenizer(" ".join(corpus), add_special_tokens=False)["input_ids"]
+    windows = torch.tensor([ids[i : i + 64] for i in range(0, len(ids) - 64, 64)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend
+    try:
+        for _ in range(steps):
+            batch = windows[torch.randint(len(windows), (16,))]
+            loss = model(input_ids=batch, labels=batch).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,4 +1,5 @@
-"""Fixtures shared by the model tests: the tiny model as a prepared base, and its baseline variant built once."""
+"""Fixtures shared by the model tests: the tiny model (random, and trained) as a prepared base, its baseline variant,
+and every technique built once on the trained model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tasks.config import VariantConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.inputs.load import PreparedBase
 from tasks.storage import folder_sha256
+from tests.techniques import CALIBRATION, CLAIMS, FP32_RECIPES, Reference, planted_quantizer
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +33,38 @@ def baseline_dir(tiny_base: PreparedBase, tmp_path_factory: pytest.TempPathFacto
 def baseline_runtime(baseline_dir: Path) -> Runtime:
     """The baseline loaded through the Runtime, one thread (tiny matrices gain nothing from more)."""
     return load_runtime(baseline_dir, threads=1)
+
+
+@pytest.fixture(scope="session")
+def trained_base(trained_model_dir: Path) -> PreparedBase:
+    return PreparedBase(trained_model_dir, folder_sha256(trained_model_dir), "trained")
+
+
+@pytest.fixture(scope="session")
+def trained_variants(
+    trained_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> dict[str, Path]:
+    """The fp32 references and every technique of tests/techniques.py's CLAIMS, built once on the trained model
+    (every quantizer replaced by a planted broken one under `--planted-quantizer`). Read-only: a test that damages
+    or rebuilds a variant builds its own."""
+    import torch
+
+    root = tmp_path_factory.mktemp("trained-variants")
+    recipes = FP32_RECIPES | {name: claim.recipe for name, claim in CLAIMS.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only contend
+    try:
+        planted = request.config.getoption("--planted-quantizer")
+        with pytest.MonkeyPatch.context() as monkeypatch, planted_quantizer(planted, monkeypatch):
+            for name, recipe in recipes.items():
+                variant = VariantConfig.model_validate(recipe)
+                build_variant(name, variant, trained_base, "data-hash", root / name, CALIBRATION)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: root / name for name in recipes}
+
+
+@pytest.fixture(scope="session")
+def reference(trained_variants: dict[str, Path]) -> Reference:
+    """The trained model's fp32 answers on the held-out windows."""
+    return Reference.of(load_runtime(trained_variants["baseline"], threads=1))

@@ -1,76 +1,37 @@
-"""Behaviour of each variant recipe on a tiny random Llama: it builds, reloads through the Runtime and agrees."""
+"""Behaviour of each variant recipe on the trained tiny Llama: it builds, reloads through the Runtime, generates and
+scores; the same graph agrees across engines (how far each technique moves the model: test_techniques.py)."""
 
 from __future__ import annotations
 
 import math
-import typing
 from pathlib import Path
 
 import pytest
 import torch
 
 from tasks.build.optimize import build_variant
-from tasks.config import EvaluateConfig, QuantizeMethod, VariantConfig
+from tasks.config import EvaluateConfig, VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import DataValidationError
-from tasks.inputs.load import PreparedBase
 from tasks.measure.evaluate import evaluate_perplexity, evaluate_variant
 from tasks.storage import folder_sha256
-from tests.factories import synthetic_sentences
+from tests.techniques import CLAIMS, FP32_RECIPES
 
-RECIPES = {
-    "baseline": {},
-    "bf16": {"runtime": {"dtype": "bfloat16"}},
-    "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
-    "onnx_fp32": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
-    "onnx_int8": {"steps": [{"onnx_genai": {"precision": "int8"}}]},
-    "onnx_int4": {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32}}]},
-    "onnx_int4_asym": {
-        "steps": [{"onnx_genai": {"precision": "int4", "symmetric": False, "block_size": 16}}]
-    },
-    **{
-        method: {"steps": [{"quantize": {"method": method}}]}
-        for method in typing.get_args(QuantizeMethod)
-        if method not in ("torch_dynamic_int8", "gptq")  # the first is above; gptq runs on GPU targets only
-    },
-}
-# Mean per-token NLL difference from torch fp32 allowed per recipe (tiny random model, ~20 tokens): the same
-# graph in another engine must agree to float rounding; 8-bit within 0.1 nat, 4-bit within 0.3 nat.
-TOLERANCE = {
-    "baseline": 1e-5,
-    "bf16": 0.05,
-    "int8_dynamic": 0.1,
-    "onnx_fp32": 1e-4,
-    "onnx_int8": 0.1,
-    "onnx_int4": 0.3,
-    "onnx_int4_asym": 0.3,
-    "torchao_int8_weight_only": 0.1,
-    "torchao_int8_dynamic": 0.1,
-    "torchao_int4_weight_only": 0.3,
-    "quanto_w8a16": 0.1,
-    "quanto_w4a16": 0.3,
-    "quanto_w8a8": 0.1,
-    "bnb_nf4": 0.3,
-    "bnb_fp4": 0.3,
-    "bnb_int8": 0.1,
-}
+# Recipes that run the fp32 graph in another engine must agree with torch fp32 to float rounding (mean per-token
+# NLL); how far each quantizer may move the model is checked in test_techniques.py, with controls.
+SAME_GRAPH_TOLERANCE = {"baseline": 1e-5, "onnx_fp32": 1e-4}
+NAMES = [*FP32_RECIPES, *CLAIMS]
 PROMPT = "The river walks the stone near the garden 12. The train finds the book"
-CALIBRATION = [" ".join(synthetic_sentences(20, seed=seed)) for seed in range(3)]
 
 
 @pytest.fixture(scope="module")
-def variants(tiny_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("variants")
-    for name, recipe in RECIPES.items():
-        build_variant(
-            name, VariantConfig.model_validate(recipe), tiny_base, "data-hash", root / name, CALIBRATION
-        )
-    return {name: root / name for name in RECIPES}
+def variants(trained_variants: dict[str, Path]) -> dict[str, Path]:
+    return trained_variants
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_variant_reloads_generates_and_scores_close_to_fp32(variants, name):
+@pytest.mark.parametrize("name", NAMES)
+def test_variant_reloads_with_the_same_tokenizer_generates_and_scores_every_token(variants, name):
     reference = load_runtime(variants["baseline"], threads=1)
     runtime = load_runtime(variants[name], threads=1)
     ids = runtime.encode(PROMPT)
@@ -79,8 +40,9 @@ def test_variant_reloads_generates_and_scores_close_to_fp32(variants, name):
     assert len(generated) == 5
     ((nll, count),) = runtime.score([ids])
     ((ref_nll, ref_count),) = reference.score([ids])
-    assert count == ref_count == len(ids) - 1
-    assert abs(nll - ref_nll) / count <= TOLERANCE[name]
+    assert count == ref_count == len(ids) - 1 and math.isfinite(nll)
+    if name in SAME_GRAPH_TOLERANCE:
+        assert abs(nll - ref_nll) / count <= SAME_GRAPH_TOLERANCE[name]
 
 
 def test_onnx_fp32_generates_exactly_what_torch_fp32_generates(variants):
@@ -92,7 +54,7 @@ def test_onnx_fp32_generates_exactly_what_torch_fp32_generates(variants):
     )
 
 
-@pytest.mark.parametrize("name", ["baseline", "int8_dynamic", "onnx_int8"])
+@pytest.mark.parametrize("name", ["baseline", "torch_dynamic_int8", "onnx_int8"])
 def test_batched_generation_gives_each_prompt_its_own_continuation_in_order(variants, name):
     runtime = load_runtime(variants[name], threads=1)
     first, second = runtime.encode("The river walks the stone near the garden"), runtime.encode(PROMPT)
@@ -127,21 +89,8 @@ def test_evaluation_text_without_cloze_items_is_refused(variants):
         )
 
 
-@pytest.mark.parametrize(
-    ("four", "eight", "full"),
-    [
-        ("onnx_int4", "onnx_int8", "onnx_fp32"),
-        ("quanto_w4a16", "quanto_w8a16", "baseline"),
-        ("bnb_nf4", "bnb_int8", "baseline"),
-    ],
-)
-def test_four_bit_weights_are_smaller_than_eight_bit_and_float(variants, four, eight, full):
-    sizes = {n: read_manifest(variants[n]).size_bytes for n in (four, eight, full)}
-    assert sizes[four] < sizes[eight] < sizes[full]
-
-
 def test_manifest_records_recipe_sizes_and_hashes(variants):
-    fp32, bf16, int8 = (read_manifest(variants[n]) for n in ("baseline", "bf16", "int8_dynamic"))
+    fp32, bf16, int8 = (read_manifest(variants[n]) for n in ("baseline", "bf16", "torch_dynamic_int8"))
     assert fp32.parameters == bf16.parameters == int8.parameters > 50_000
     assert bf16.size_bytes < fp32.size_bytes
     assert (fp32.weights_format, int8.weights_format) == ("hf-safetensors", "torch-dynamic-int8")
@@ -149,9 +98,9 @@ def test_manifest_records_recipe_sizes_and_hashes(variants):
     assert len({fp32.build_key, bf16.build_key, int8.build_key}) == 3
 
 
-def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(tiny_base, variants):
-    folder = variants["bf16"]
-    recipe = VariantConfig.model_validate(RECIPES["bf16"])
+def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(tiny_base, tmp_path):
+    folder, recipe = tmp_path / "bf16", VariantConfig.model_validate(CLAIMS["bf16"].recipe)
+    build_variant("bf16", recipe, tiny_base, "data-hash", folder)
     weights = folder / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert build_variant("bf16", recipe, tiny_base, "data-hash", folder) == read_manifest(folder)
@@ -168,7 +117,7 @@ def test_a_variant_damaged_after_its_build_is_refused_naming_the_file_and_both_h
     from tasks.errors import ModelSourceError
 
     folder = tmp_path / "bf16"
-    build_variant("bf16", VariantConfig.model_validate(RECIPES["bf16"]), tiny_base, "data-hash", folder)
+    build_variant("bf16", VariantConfig.model_validate(CLAIMS["bf16"].recipe), tiny_base, "data-hash", folder)
     load_runtime(folder, threads=1)
     weights = folder / "model.safetensors"
     data = bytearray(weights.read_bytes())
