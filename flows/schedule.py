@@ -18,6 +18,7 @@ from prefect import flow
 
 from tasks.config import Config, load_config
 from tasks.errors import ConfigError, LlmoptError, ServiceError
+from tasks.failpoints import failpoint
 
 FLOW_NAME = "llmopt-scheduled"
 PICK_UP_S = 120  # a run on a work pool that no worker has started after this long is reported, not waited on
@@ -30,6 +31,7 @@ def scheduled_pipeline(params_path: str) -> str:
     from flows.cluster import on_cluster
     from flows.pipeline import pipeline_flow
 
+    failpoint("scheduled-run")  # tests: SIGSTOP, so a run lasts exactly as long as a test needs
     path = Path(params_path)
     config = load_config(path)
     return on_cluster(pipeline_flow, config)(config, path.resolve().parent).summary()
@@ -63,9 +65,10 @@ def serve_schedule(config: Config, params_path: Path, pause_on_shutdown: bool = 
         name=config.schedule.deployment,
         parameters={"params_path": str(params_path.resolve())},
         # one pipeline run at a time, whoever serves the deployment: runs on one machine would share its cores
-        # and skew each other's benchmarks; a tick that collides with a running one is cancelled
+        # and skew each other's benchmarks; a tick that collides with a running one is cancelled by the server.
+        # No runner limit beside it: a runner at its limit leaves due ticks Scheduled, and runs them late, one
+        # after another, once the run ends, instead of handing them to the server to cancel
         global_limit=ConcurrencyLimitConfig(limit=1, collision_strategy="CANCEL_NEW"),
-        limit=1,
         print_starting_message=False,
         pause_on_shutdown=pause_on_shutdown,
         description="llmopt pipeline on a schedule (params.yaml: schedule, services)",

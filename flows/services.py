@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,7 +183,7 @@ def _launch(service: Service) -> int:
         with service.log_file.open("ab") as log:
             process = subprocess.Popen(
                 [str(service.script)],
-                env={**os.environ, **service.env},
+                env=_environment(service),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -192,6 +193,17 @@ def _launch(service: Service) -> int:
         raise ServiceError(f"{service.name}: cannot run {service.script}: {exc}") from None
     service.pid_file.write_text(f"{process.pid} {psutil.Process(process.pid).create_time()}\n")
     return process.pid
+
+
+def _environment(service: Service) -> dict[str, str]:
+    """The script's environment: ours and the service's settings, with the executables of the Python environment
+    llmopt runs in first on PATH (prefect, mlflow, dask, moto_server, python): cron and systemd run
+    `.venv/bin/llmopt services up` without activating the venv, and the scripts look their tools up on PATH."""
+    env = {**os.environ, **service.env}
+    ours = str(Path(sys.executable).parent)  # not resolved: a venv's bin/python links to the base interpreter
+    rest = [folder for folder in env.get("PATH", "").split(os.pathsep) if folder and folder != ours]
+    env["PATH"] = os.pathsep.join([ours, *rest])
+    return env
 
 
 def stop(service: Service, timeout_s: float = 20) -> str:

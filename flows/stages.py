@@ -14,7 +14,7 @@ from flows.cluster import BENCHMARK_RESOURCE, Stored, Workspace, on_benchmark_wo
 from flows.progress import progress_bar
 from tasks.build.optimize import build_variant
 from tasks.config import Config, VariantConfig
-from tasks.decide.registry import RegisteredVersion, fetch_version
+from tasks.decide.registry import RegisteredVersion, fetch_version, mlflow_refused
 from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
 from tasks.errors import ComparisonError, LlmoptError
@@ -180,20 +180,30 @@ def benchmark_fingerprint(config: Config) -> dict:
 
 def transient_failure(task, task_run, state) -> bool:
     """Retry condition for registry and artifact I/O: a network, database or disk hiccup is retried (with
-    backoff); a clear user error (LlmoptError: no such version, corrupted bytes) or a bug is not."""
+    backoff); a clear user error (LlmoptError: no such version, corrupted bytes), a request MLflow refuses (4xx:
+    not found, already exists, bad parameter), a missing file or a denied permission, or a bug is not."""
+    try:
+        state.result()
+    except Exception as exc:
+        return is_transient(exc)
+    return False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether the same call may well succeed when tried again a few seconds later."""
     import httpx
     from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import OperationalError
 
-    try:
-        state.result()
-    except LlmoptError:
+    if isinstance(exc, (LlmoptError, *PERMANENT_OS_ERRORS)):
         return False
-    except (OSError, MlflowException, OperationalError, httpx.TransportError):
-        return True
-    except Exception:
-        return False
-    return False
+    if isinstance(exc, MlflowException):
+        return not mlflow_refused(exc)
+    return isinstance(exc, OSError | OperationalError | httpx.TransportError)
+
+
+# OSErrors that no retry clears: the path or the permission is wrong, not the disk or the network
+PERMANENT_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 
 IO_RETRIES = {  # 3 more tries, 2 s, 4 s, 8 s apart

@@ -58,10 +58,10 @@ def register_variant(
     tags: dict[str, str],
     description: str,
 ) -> Registration:
-    """Log the variant's weights as a pyfunc model in its run and register it; identical bytes reuse a version."""
-    import mlflow
+    """Log the variant's weights as a pyfunc model in its run and register it; identical bytes reuse a version.
+    A version this same run registered (by an attempt of a retried task cut short after registering) is finished
+    and returned as this run's own, so a retry never registers the variant twice."""
     from mlflow import MlflowClient
-    from mlflow.models import infer_signature
 
     verify_variant(
         variant_dir, f"variant {manifest.name}"
@@ -69,7 +69,25 @@ def register_variant(
     client = MlflowClient()
     for existing in _versions(client, model_name):
         if _same_model(existing.tags, manifest):
-            return Registration(model_name, str(existing.version), reused=True)
+            if existing.run_id != run_id:
+                return Registration(model_name, str(existing.version), reused=True)
+            version = str(existing.version)
+            break
+    else:
+        version = _log_and_register(model_name, variant_dir, manifest, run_id, tags)
+    # tests: SIGKILL, or a transient OSError, with the version registered but not described
+    failpoint("register")
+    client.update_model_version(model_name, version, description=description)
+    return Registration(model_name, version, reused=False)
+
+
+def _log_and_register(
+    model_name: str, variant_dir: Path, manifest: VariantManifest, run_id: str, tags: dict[str, str]
+) -> str:
+    """Log the variant as a pyfunc model in run `run_id` and register it with its lineage tags; its version."""
+    import mlflow
+    from mlflow.models import infer_signature
+
     with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
         # the predict method has no type hints on purpose (they would replace the signature and drop its params)
         warnings.filterwarnings(
@@ -94,10 +112,7 @@ def register_variant(
         "llmopt.base_hash": manifest.base_hash,
         "llmopt.data_hash": manifest.data_hash,
     }
-    version = mlflow.register_model(info.model_uri, model_name, tags=all_tags)
-    failpoint("register")  # tests: SIGKILL with the version registered, no alias set yet
-    client.update_model_version(model_name, version.version, description=description)
-    return Registration(model_name, str(version.version), reused=False)
+    return str(mlflow.register_model(info.model_uri, model_name, tags=all_tags).version)
 
 
 def model_requirements(manifest: VariantManifest) -> list[str]:
@@ -134,7 +149,9 @@ def current_version(model_name: str, alias: str) -> str | None:
 
     try:
         return str(MlflowClient().get_model_version_by_alias(model_name, alias).version)
-    except MlflowException:
+    except MlflowException as exc:
+        if not mlflow_refused(exc):
+            raise  # the registry did not answer: no alias is not what it said
         return None
 
 
@@ -206,6 +223,8 @@ def download_version(model_name: str, version: str, dest: Path) -> Path:
             mlflow.artifacts.download_artifacts(f"models:/{model_name}/{version}", dst_path=str(dest))
         )
     except MlflowException as exc:
+        if not mlflow_refused(exc):
+            raise  # the registry or the artifact store failed to answer: the fetch task's retries are for that
         raise RegistryError(f"{model_name} version {version}: {str(exc).splitlines()[0]}") from None
     mlmodel = yaml.safe_load((local / "MLmodel").read_text())
     try:
@@ -222,7 +241,9 @@ def version_tags(model_name: str, version: str) -> dict[str, str]:
 
     try:
         return dict(MlflowClient().get_model_version(model_name, version).tags)
-    except MlflowException:
+    except MlflowException as exc:
+        if not mlflow_refused(exc):
+            raise
         raise RegistryError(f"no version {version} of {model_name} in the registry") from None
 
 
@@ -231,5 +252,14 @@ def _versions(client, model_name: str) -> list:
 
     try:
         return list(client.search_model_versions(f"name='{model_name}'"))
-    except MlflowException:
+    except MlflowException as exc:
+        if not mlflow_refused(exc):
+            raise  # an empty answer here would register the variant a second time
         return []
+
+
+def mlflow_refused(exc) -> bool:
+    """Whether MLflow refused a request (a 4xx answer: no such model or version, a bad name), which is the user's
+    to fix, rather than failed to carry it out (5xx, 429 or no answer at all), which a retry may get past."""
+    status = exc.get_http_status_code()
+    return 400 <= status < 500 and status != 429
