@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tasks.config import OnnxGenAIStep
 from tasks.errors import ModelSourceError
+from tasks.failpoints import failpoint
 
 
 def build_onnx_genai(
@@ -33,6 +34,7 @@ def build_onnx_genai(
     # GIT_DIR: the builder stamps `git rev-parse HEAD` of the folder above its install into the graph's
     # producer_version, which is this project when .venv lives in it: without this, every commit changed the bytes
     env = {**os.environ, "TQDM_DISABLE": "1", "GIT_DIR": os.devnull}
+    failpoint("onnx_export")  # tests: stop with the staging folder made, before the builder writes into it
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -99,3 +100,61 @@ def make_project(root: Path, params: dict, with_dvc: bool = True) -> Path:
         run(root, "git", "add", "-A")
         run(root, "git", "commit", "-qm", "tiny project")
     return root
+
+
+def remote_of(root: Path) -> Path:
+    """The folder `make_project` configures as the project's default DVC remote."""
+    return root.parent / "dvc-remote"
+
+
+class ProjectStates:
+    """Named copies of a project and of its DVC remote, put back at the same absolute path (MLflow's store and
+    DVC record absolute paths, so a copy elsewhere would be another project): one expensive run, then every test
+    starts from the state it needs, whatever ran before it. A connection this process holds open to a file of
+    the project (a pooled SQLite connection) goes on reading the file that was replaced."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.saved: dict[str, Path] = {}
+        self.unchanged: str | None = None  # the state put back last, while it has only been read since
+
+    def save(self, name: str) -> None:
+        """Copy the project and its remote (where one exists) as state `name`, once nothing runs in it."""
+        stop_processes_in(self.root.parent)
+        copy = self.root.parent / f"{self.root.name}.state-{name}"
+        shutil.rmtree(copy, ignore_errors=True)
+        copy.mkdir()
+        for part in (self.root, remote_of(self.root)):
+            if part.exists():
+                shutil.copytree(part, copy / part.name, symlinks=True)
+        self.saved[name] = copy
+
+    def restore(self, name: str, read_only: bool = False) -> Path:
+        """Stop what still runs in the project, then replace the project and its remote by state `name`.
+        `read_only`: the caller only reads it, so it stays as it is when nothing changed it since the last restore."""
+        if not (read_only and self.unchanged == name):
+            stop_processes_in(self.root.parent)
+            for part in (self.root, remote_of(self.root)):
+                if part.exists():
+                    shutil.rmtree(part)
+                saved = self.saved[name] / part.name
+                if saved.exists():
+                    shutil.copytree(saved, part, symlinks=True)
+        self.unchanged = name if read_only else None
+        return self.root
+
+
+def stop_processes_in(folder: Path) -> None:
+    """SIGKILL every process working inside `folder` (what a test started there and left running: a server, a
+    Prefect worker) and wait until each is gone, so that nothing writes into a project being put back."""
+    import psutil
+
+    working = []
+    for process in psutil.process_iter(["cwd"]):
+        cwd = process.info["cwd"]  # None where it cannot be read: another user's process, a zombie
+        if process.pid != os.getpid() and cwd and Path(cwd).is_relative_to(folder):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+                working.append(process)
+    _, alive = psutil.wait_procs(working, timeout=60)
+    assert not alive, f"still running in {folder} after SIGKILL: {alive}"

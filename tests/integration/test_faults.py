@@ -2,8 +2,10 @@
 that disappears mid-run, a `dvc push` killed half-way. After each, the next run completes; no half-written variant
 is ever used; the registry holds no duplicate or dangling version; no MLflow run is left RUNNING.
 
-The faults are chained on one project, in file order, as they would hit one user: each run is killed one stage
-later than the one before, so every killed run also shows that the state the previous kill left is recovered."""
+The kills are one chain on one project, as they would hit one user: each run is killed one stage later than the one
+before, so every killed run also shows that the state the previous kill left is recovered. The other faults each
+start from a copy of the same prepared project. Every fault strikes at an exact moment, never after a timer: at a
+fail point (tasks/failpoints.py) in llmopt, at a wrapped transfer in DVC's own process."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
-from tests.integration.project import make_project, project_env, run, tiny_params
+from tests.integration.project import ProjectStates, make_project, project_env, remote_of, run, tiny_params
 
 pytestmark = pytest.mark.slow
 
@@ -29,29 +33,41 @@ VARIANTS_TMPFS_MB = 256
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, tiny_model_dir, corpus_dir):
-    """A DVC project whose variants folder is a tmpfs of its own (so the disk-full fault can fill it)."""
+def states(tmp_path_factory, tiny_model_dir, corpus_dir) -> ProjectStates:
+    """A DVC project after `dvc repro prepare` (base model and data splits cached, no variant built yet), kept as
+    state "prepared"."""
+    params = tiny_params(tiny_model_dir, corpus_dir)
+    params["variants"] = {  # these two only (an override would add them to tiny_params' four)
+        "baseline": {},
+        "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
+    }
+    states = ProjectStates(make_project(tmp_path_factory.mktemp("faults") / "p", params))
+    run(states.root, "dvc", "repro", "prepare")
+    states.save("prepared")
+    return states
+
+
+@pytest.fixture
+def project(states) -> Path:
+    """The prepared project, whatever an earlier test did to it."""
+    return states.restore("prepared")
+
+
+@pytest.fixture
+def small_variants_disk(project) -> Iterator[Path]:
+    """The project's variants folder on a tmpfs of its own, small enough for a test to fill."""
     if os.geteuid() != 0:
         pytest.skip(
             "mounting a tmpfs over the variants folder needs root (CI and the dev machines run as root)"
         )
-    params = tiny_params(
-        tiny_model_dir,
-        corpus_dir,
-        variants={
-            "baseline": {},
-            "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
-        },
-    )
-    root = make_project(tmp_path_factory.mktemp("faults") / "p", params)
-    variants = root / ".llmopt" / "variants"
-    variants.mkdir(parents=True)
+    variants = project / ".llmopt" / "variants"
+    variants.mkdir(parents=True, exist_ok=True)
     mount = ["mount", "-t", "tmpfs", "-o", f"size={VARIANTS_TMPFS_MB}m", "tmpfs", str(variants)]
     mounted = subprocess.run(mount, capture_output=True, text=True)
     if mounted.returncode != 0:  # e.g. a container without CAP_SYS_ADMIN
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        yield root
+        yield variants
     finally:
         subprocess.run(["umount", "-l", str(variants)], check=False)
 
@@ -130,16 +146,32 @@ def only_the_last_run_running(root: Path) -> None:
     assert set(statuses) <= {"RUNNING", "KILLED", "FINISHED", "FAILED"}, statuses
 
 
-def test_killed_mid_write_in_optimize_leaves_no_variant_under_its_name(project):
-    killed_at(project, "optimize")
+def stopped(process: subprocess.Popen, log: Path, where: str, timeout_s: float = 600) -> None:
+    """Wait until `process` has stopped itself (SIGSTOP) `where`, to act at exactly that moment."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        output = log.read_text(errors="replace")[-3000:]
+        assert process.poll() is None, f"exited {process.returncode} before it stopped {where}:\n{output}"
+        if psutil.Process(process.pid).status() == psutil.STATUS_STOPPED:
+            return
+        assert time.monotonic() < deadline, f"not stopped {where} within {timeout_s} s:\n{output}"
+        time.sleep(0.05)  # polling a condition, bounded by the deadline
+
+
+def resume(process: subprocess.Popen) -> None:
+    os.kill(process.pid, signal.SIGCONT)
+
+
+def test_a_run_killed_in_each_stage_in_turn_is_recovered_by_the_next_and_dvc_completes_it(project):
     variants = project / ".llmopt" / "variants"
+
+    # -- killed mid-write in optimize: no variant under its name
+    killed_at(project, "optimize")
     assert any((variants / "baseline.partial").iterdir())  # killed with the weights written, manifest not
     assert not (variants / "baseline").exists()
 
-
-def test_the_next_run_builds_it_afresh_and_is_killed_evaluating(project):
+    # -- the next run builds it afresh and is killed evaluating
     killed_at(project, "evaluate")
-    variants = project / ".llmopt" / "variants"
     assert (
         not (variants / "baseline.partial").exists() and (variants / "baseline" / "manifest.json").is_file()
     )
@@ -147,48 +179,19 @@ def test_the_next_run_builds_it_afresh_and_is_killed_evaluating(project):
     assert not (project / ".llmopt" / "evaluations" / "baseline.json").exists()
     only_the_last_run_running(project)
 
-
-def test_the_next_run_is_killed_benchmarking(project):
+    # -- the next run is killed benchmarking
     killed_at(project, "benchmark")
     assert (project / ".llmopt" / "evaluations" / "baseline.json").is_file()
     only_the_last_run_running(project)
 
-
-def test_the_next_run_is_killed_registering(project):
+    # -- the next run is killed registering
     killed_at(project, "register")
     assert (
         len(versions(project)) == 1 and aliases(project) == {}
     )  # registered, neither candidate nor production
     only_the_last_run_running(project)
 
-
-def test_a_disk_that_fills_while_a_variant_is_written_is_one_line_and_leaves_nothing_half_written(project):
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["variants"]["onnx_fp32"] = {"steps": [{"onnx_genai": {"precision": "fp32"}}]}
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    variants = project / ".llmopt" / "variants"
-    process, log = start(project, "llmopt", "run")
-    deadline = time.monotonic() + 300
-    while not (variants / "onnx_fp32.partial").exists():  # its build started: the export takes seconds
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-        time.sleep(0.01)
-    filler = variants / "filler"
-    free = os.statvfs(variants).f_bavail * os.statvfs(variants).f_frsize
-    try:
-        subprocess.run(
-            ["fallocate", "-l", str(free), str(filler)], check=True
-        )  # another writer took the rest
-        code = finish(process)
-    finally:
-        filler.unlink(missing_ok=True)
-    lines = log.read_text(errors="replace").strip().splitlines()
-    assert code == 1 and "Traceback" not in "\n".join(lines), "\n".join(lines[-30:])
-    assert lines[-1].startswith("error: ") and "onnx_fp32: the disk filled up while writing it" in lines[-1]
-    assert not (variants / "onnx_fp32").exists() and not (variants / "onnx_fp32.partial").exists()
-    assert_intact_variants(project)
-
-
-def test_the_next_run_completes_through_dvc_with_one_version_per_model_and_nothing_left_running(project):
+    # -- the next run completes through DVC, with one version per model and nothing left running
     result = run(project, "dvc", "repro")
     assert "production → v" in result.stdout + result.stderr
     statuses = runs_by_status(project)
@@ -198,23 +201,86 @@ def test_the_next_run_completes_through_dvc_with_one_version_per_model_and_nothi
     assert len(hashes) == len(set(hashes)), registered  # the version the killed run registered was reused
     assert aliases(project)["production"] in {version for version, _ in registered}
     assert_intact_variants(project)
-    assert not list((project / ".llmopt" / "variants").glob("*.partial"))
+    assert not list(variants.glob("*.partial"))
+
+
+def test_a_disk_that_fills_while_a_variant_is_written_is_one_line_and_leaves_nothing_half_written(
+    project, small_variants_disk
+):
+    variants = small_variants_disk
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    # the project's one ONNX export, so its fail point stops this build
+    params["variants"]["onnx_fp32"] = {"steps": [{"onnx_genai": {"precision": "fp32"}}]}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    process, log = start(project, "llmopt", "run", LLMOPT_FAILPOINT="onnx_export:stop")
+    filler = variants / "filler"
+    try:
+        stopped(process, log, "at onnx_export")  # its staging folder made, the model builder about to write
+        assert (variants / "onnx_fp32.partial").is_dir()
+        free = os.statvfs(variants).f_bavail * os.statvfs(variants).f_frsize
+        subprocess.run(["fallocate", "-l", str(free), str(filler)], check=True)  # another writer takes it all
+        resume(process)
+        code = finish(process)
+    finally:
+        if process.poll() is None:
+            kill(process)
+        filler.unlink(missing_ok=True)
+    lines = log.read_text(errors="replace").strip().splitlines()
+    assert code == 1 and "Traceback" not in "\n".join(lines), "\n".join(lines[-30:])
+    assert lines[-1].startswith("error: ") and "onnx_fp32: the disk filled up while writing it" in lines[-1]
+    assert not (variants / "onnx_fp32").exists() and not (variants / "onnx_fp32.partial").exists()
+    assert (variants / "baseline" / "manifest.json").is_file()  # built before the disk filled, and kept
+    assert_intact_variants(project)
+
+
+# `python -c STOPPING_PUSH <remote> push …` is `dvc push …` in DVC's own process, with its transfer wrapped so that
+# the process stops itself (SIGSTOP) as soon as the first object lies whole in the remote, and sends the rest after
+STOPPING_PUSH = """
+import os, signal, sys
+from dvc.cli import main
+from dvc_objects.fs import generic
+
+remote, transfer, stopped = os.path.realpath(sys.argv[1]) + os.sep, generic.transfer, False
+
+
+def first_object_then_stop(from_fs, from_path, to_fs, to_path, **kwargs):
+    global stopped
+    sources, targets = ([path] if isinstance(path, str) else list(path) for path in (from_path, to_path))
+    if stopped or not os.path.realpath(targets[0]).startswith(remote):
+        return transfer(from_fs, sources, to_fs, targets, **kwargs)
+    transfer(from_fs, sources[:1], to_fs, targets[:1], **kwargs)
+    stopped = True
+    os.kill(os.getpid(), signal.SIGSTOP)
+    if sources[1:]:
+        transfer(from_fs, sources[1:], to_fs, targets[1:], **kwargs)
+
+
+generic.transfer = first_object_then_stop
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def remote_objects(remote: Path) -> list[Path]:
+    """The objects under their final names (DVC writes each under a temporary `.tmp` name and renames it)."""
+    return [p for p in remote.rglob("*") if p.is_file() and not p.name.endswith((".dir", ".tmp"))]
 
 
 def test_a_killed_dvc_push_is_completed_by_the_next_and_the_remote_holds_exact_bytes(project):
-    remote = project.parent / "dvc-remote"
-    process, log = start(project, "dvc", "push", "--jobs", "1")
-    while process.poll() is None and not any(p.is_file() for p in remote.rglob("*")):
-        time.sleep(0.001)
-    assert process.poll() is None, "dvc push ended before it could be killed"
-    kill(process)  # stopped half-way: its first object was being written
+    """The prepared project's base model (weights, tokenizer) and data splits, pushed by a `dvc push` killed with
+    one object sent."""
+    remote = remote_of(project)
+    process, log = start(project, sys.executable, "-c", STOPPING_PUSH, str(remote), "push", "--jobs", "1")
+    try:
+        stopped(process, log, "after its first object")
+        first = remote_objects(remote)
+        assert len(first) == 1, first
+    finally:
+        kill(process)  # half-way: one object sent, the others not
     assert "in sync" not in run(project, "dvc", "status", "--cloud").stdout
     run(project, "dvc", "push")
     assert "in sync" in run(project, "dvc", "status", "--cloud").stdout
-    # DVC writes each object under a temporary name and renames it when complete: a kill leaves at most such a
-    # temporary file, which nothing reads. Every object under its final name must be whole.
-    objects = [p for p in remote.rglob("*") if p.is_file() and not p.name.endswith((".dir", ".tmp"))]
-    assert objects, "nothing was pushed"
+    objects = remote_objects(remote)
+    assert len(objects) > 1 and first[0] in objects, objects
     for path in objects:  # content-addressed: every object's name is the MD5 of its bytes
         assert hashlib.md5(path.read_bytes()).hexdigest() == path.parent.name + path.name, path
 
@@ -260,13 +326,16 @@ def test_a_registry_that_disappears_mid_run_stops_the_run_cleanly_and_the_next_c
     server = _tracking_server(project, port)
     before, killed_before = versions(project), runs_by_status(project).get("KILLED", 0)
     quick_failure = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-    process, log = start(project, "llmopt", "run", **quick_failure)
-    deadline = time.monotonic() + 300
-    while "trial 1/1" not in log.read_text(errors="replace"):  # benchmarking: the registry was used already
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
-        time.sleep(0.05)
-    kill(server)
-    code = finish(process)
+    first_benchmark = {"LLMOPT_FAILPOINT": "benchmark:stop", "LLMOPT_FAILPOINT_TIMES": "1"}
+    process, log = start(project, "llmopt", "run", **quick_failure, **first_benchmark)
+    try:
+        stopped(process, log, "at its first benchmark")  # the registry was used already: runs, evaluations
+        kill(server)
+        resume(process)
+        code = finish(process)
+    finally:
+        if process.poll() is None:
+            kill(process)
     lines = log.read_text(errors="replace").strip().splitlines()
     assert code == 1 and "Traceback" not in "\n".join(lines), "\n".join(lines[-30:])
     assert lines[-1].startswith("error: tracking.uri: ") and f"127.0.0.1:{port}" in lines[-1], lines[-1]
