@@ -1,4 +1,7 @@
-"""The whole pipeline on a tiny model through the real DVC, Prefect and MLflow, then served over HTTP."""
+"""The whole pipeline on a tiny model through the real DVC, Prefect and MLflow, then served over HTTP.
+
+One `dvc repro` per module, kept as a copy: each test starts from that state (put back at the same path), sets up
+what else it needs itself, and passes alone or in any order."""
 
 from __future__ import annotations
 
@@ -19,15 +22,65 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.integration.project import make_project, project_env, run, tiny_params
+from tests.integration.project import ProjectStates, make_project, project_env, run, tiny_params
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_pooled_database_connections():
+    """MLflow in this process opens an SQLite connection per query: a pooled one would go on reading the database
+    file that a restore replaced."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_SQLALCHEMYSTORE_POOLCLASS", "NullPool")
+        yield
+
+
 @pytest.fixture(scope="module")
-def project(tmp_path_factory, tiny_model_dir, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
+def first_repro(
+    tmp_path_factory, tiny_model_dir, corpus_dir
+) -> tuple[ProjectStates, subprocess.CompletedProcess]:
+    """The tiny project after its first `dvc repro` (kept as state "repro") and what that printed."""
     root = make_project(tmp_path_factory.mktemp("e2e") / "project", tiny_params(tiny_model_dir, corpus_dir))
-    return root, run(root, "dvc", "repro")
+    result = run(root, "dvc", "repro")
+    states = ProjectStates(root)
+    states.save("repro")
+    return states, result
+
+
+@pytest.fixture
+def repro_state(first_repro) -> Path:
+    """The project just after its first `dvc repro`, for a test that only reads it."""
+    return first_repro[0].restore("repro", read_only=True)
+
+
+@pytest.fixture
+def project(first_repro) -> Path:
+    """The project just after its first `dvc repro`, for a test that changes it."""
+    return first_repro[0].restore("repro")
+
+
+@pytest.fixture(scope="module")
+def challenger_won(first_repro) -> tuple[ProjectStates, str, subprocess.CompletedProcess]:
+    """Production forced to a registered fp32 baseline, then a run offering the same model in ONNX Runtime GenAI
+    fp32: kept as state "challenger won", with the baseline's version and what the run printed."""
+    states = first_repro[0]
+    root = states.restore("repro")
+    baseline_version = register_folder(root, "baseline")
+    run(root, "llmopt", "promote", baseline_version, "--force", "--reason", "start from the slow model")
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["variants"] = {"baseline": {}, "onnx_fp32": {"steps": [{"onnx_genai": {"precision": "fp32"}}]}}
+    (root / "faster.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = run(root, "llmopt", "run", "-p", "faster.yaml")
+    states.save("challenger won")
+    return states, baseline_version, result
+
+
+@pytest.fixture
+def after_challenger(challenger_won) -> tuple[Path, str, subprocess.CompletedProcess]:
+    """The project just after the run whose fp32 ONNX challenger beat the slow production."""
+    states, baseline_version, result = challenger_won
+    return states.restore("challenger won"), baseline_version, result
 
 
 def mlflow_client(root: Path):
@@ -38,8 +91,8 @@ def mlflow_client(root: Path):
     )
 
 
-def test_repro_prints_leaderboard_and_registration(project):
-    _, result = project
+def test_repro_prints_leaderboard_and_registration(first_repro):
+    _, result = first_repro
     assert "Leaderboard" in result.stdout
     for variant in ("baseline", "bf16", "int8_dynamic", "onnx_int8"):
         assert variant in result.stdout
@@ -50,8 +103,8 @@ def test_repro_prints_leaderboard_and_registration(project):
     assert "workflowType=machine_learning" in result.stderr  # the MLflow link opens the runs table
 
 
-def test_the_run_report_compares_baseline_and_challenger_and_says_what_was_decided(project):
-    root, _ = project
+def test_the_run_report_compares_baseline_and_challenger_and_says_what_was_decided(repro_state):
+    root = repro_state
     page = (root / ".llmopt/reports/report.html").read_text()
     assert "Production moved to v1: no production version yet" in page
     assert "baseline (baseline)" in page and "data:image/png;base64," in page  # plots inlined: one file
@@ -66,8 +119,8 @@ def test_the_run_report_compares_baseline_and_challenger_and_says_what_was_decid
     assert "| throughput tok/s, batch 2 |" in markdown and "## Machine and time" in markdown
 
 
-def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
-    root, _ = project
+def test_mlflow_has_one_parent_with_a_nested_run_per_variant(repro_state):
+    root = repro_state
     client = mlflow_client(root)
     experiment = client.get_experiment_by_name("llmopt")
     assert experiment.artifact_location == (root / "mlruns").as_uri()
@@ -104,8 +157,8 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(project):
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
-def test_winner_is_registered_with_lineage_and_both_aliases(project):
-    root, _ = project
+def test_winner_is_registered_with_lineage_and_both_aliases(repro_state):
+    root = repro_state
     client = mlflow_client(root)
     board = json.loads((root / ".llmopt/reports/leaderboard.json").read_text())
     production = client.get_model_version_by_alias("tiny-test", "production")
@@ -119,7 +172,7 @@ def test_winner_is_registered_with_lineage_and_both_aliases(project):
 
 
 def test_dvc_is_clean_up_to_date_and_pushes_weights(project):
-    root, _ = project
+    root = project
     status = run(root, "dvc", "status").stdout
     assert status.split() == ["prepare:", "always", "changed"], (
         status
@@ -139,7 +192,7 @@ def test_dvc_is_clean_up_to_date_and_pushes_weights(project):
 def test_a_slower_second_run_leaves_production_then_forced_promotion_and_rollback_are_recorded(project):
     """Run 2 against the same store offers only slower variants: production must not move. Then a forced
     promotion and a rollback; `llmopt history` lists the four decisions with their reasons."""
-    root, _ = project
+    root = project
     client = mlflow_client(root)
     first = client.get_model_version_by_alias("tiny-test", "production")
     assert (
@@ -194,21 +247,11 @@ def production_history(root: Path) -> list:
     return history("tiny-test")
 
 
-def test_a_faster_equally_accurate_challenger_beats_a_slow_production_and_is_promoted(project):
+def test_a_faster_equally_accurate_challenger_beats_a_slow_production_and_is_promoted(after_challenger):
     """Production forced to the slow fp32 baseline; a run offering the same model in ONNX Runtime GenAI fp32 wins
     the duel (interleaved trials, speed-ratio interval) and passes the accuracy checks against production."""
-    root, _ = project
+    root, baseline_version, result = after_challenger
     client = mlflow_client(root)
-    baseline_version = next(
-        str(v.version)
-        for v in client.search_model_versions("name='tiny-test'")
-        if v.tags["llmopt.variant"] == "baseline"
-    )
-    run(root, "llmopt", "promote", baseline_version, "--force", "--reason", "start from the slow model")
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    params["variants"] = {"baseline": {}, "onnx_fp32": {"steps": [{"onnx_genai": {"precision": "fp32"}}]}}
-    (root / "faster.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    result = run(root, "llmopt", "run", "-p", "faster.yaml")
     production = client.get_model_version_by_alias("tiny-test", "production")
     assert production.tags["llmopt.variant"] == "onnx_fp32", result.stderr[-3000:]
     verdict = json.loads(production.tags["llmopt.verdict"])
@@ -242,19 +285,14 @@ def register_folder(root: Path, variant: str) -> str:
 
 
 def test_a_planted_regression_within_budget_but_worse_than_production_is_never_promoted_though_fastest(
-    project,
+    after_challenger,
 ):
     """Production forced to the slow fp32 baseline; the challenger is the ONNX fp32 variant (far faster) with a
     bias planted on one logit: every window's loss rises a little (within the +50% baseline budget, so it
     qualifies), which the paired bootstrap against production must catch although the challenger wins on speed."""
-    root, _ = project
+    root, baseline_version, _ = after_challenger
     client = mlflow_client(root)
     before = client.get_model_version_by_alias("tiny-test", "production").version
-    baseline_version = next(
-        str(v.version)
-        for v in client.search_model_versions("name='tiny-test'")
-        if v.tags["llmopt.variant"] == "baseline"
-    )
     run(root, "llmopt", "promote", baseline_version, "--force", "--reason", "a slow champion")
     plant_logit_bias(root / ".llmopt/variants/onnx_fp32", root / ".llmopt/variants/planted", bias=2.4)
     planted = register_folder(root, "planted")
@@ -305,7 +343,7 @@ def plant_logit_bias(source: Path, target: Path, bias: float) -> None:
 
 
 def test_bench_reuses_evaluations_reports_spread_and_refuses_another_machine(project):
-    root, _ = project
+    root = project
     result = run(root, "llmopt", "bench", "--trials", "2")
     assert "Repeatability" in result.stdout and "evaluation unchanged" in result.stderr
     bench = json.loads((root / ".llmopt/bench/bench.json").read_text())
@@ -342,7 +380,7 @@ def free_port() -> int:
 
 
 def test_server_answers_completions_from_the_production_alias(project):
-    root, _ = project
+    root = project
     served = f"tiny-test/{mlflow_client(root).get_model_version_by_alias('tiny-test', 'production').version}"
     port = free_port()
     server = subprocess.Popen(
@@ -389,16 +427,13 @@ def test_registered_versions_serve_from_an_environment_mlflow_builds_outside_the
     """`mlflow models serve --env-manager virtualenv` from a folder where `import tasks` fails: the model carries
     its engine code and pinned requirements. Production (ONNX Runtime GenAI) and the baseline version (PyTorch)
     share one environment, built once."""
-    root, _ = project
-    client = mlflow_client(root)
-    versions = {
-        v.tags["llmopt.variant"]: str(v.version) for v in client.search_model_versions("name='tiny-test'")
-    }
+    root = project
+    baseline_version = register_baseline(root)
     outside = tmp_path / "outside"
     outside.mkdir()
     env = {k: v for k, v in project_env(root).items() if k != "PYTHONPATH"}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{root / 'mlflow.db'}", MLFLOW_ENV_ROOT=str(tmp_path / "envs"))
-    for uri in ("models:/tiny-test@production", f"models:/tiny-test/{versions['baseline']}"):
+    for uri in ("models:/tiny-test@production", f"models:/tiny-test/{baseline_version}"):
         port = free_port()
         command = ["mlflow", "models", "serve", "-m", uri, "--env-manager", "virtualenv", "-p", str(port)]
         server = subprocess.Popen(
@@ -440,11 +475,11 @@ def wait_until_serving(server: subprocess.Popen, timeout_s: float) -> None:
     assert ready.wait(timeout_s), "".join(lines)[-4000:] or "no output"
 
 
-def test_zz_dvc_experiment_runs_with_a_changed_param_and_every_imported_module_is_a_stage_dependency(project):
-    """Runs last (it adds a pipeline run). `dvc exp run -S` reruns `optimize` with another budget; Python's
-    import-time report of that very run lists every llmopt module the stage loaded, and each must lie inside a
-    dependency of the stage, or a change to it would not rerun the stage."""
-    root, _ = project
+def test_dvc_experiment_runs_with_a_changed_param_and_every_imported_module_is_a_stage_dependency(project):
+    """`dvc exp run -S` reruns `optimize` with another budget; Python's import-time report of that very run lists
+    every llmopt module the stage loaded, and each must lie inside a dependency of the stage, or a change to it
+    would not rerun the stage."""
+    root = project
     env = {**project_env(root), "PYTHONPROFILEIMPORTTIME": "1"}
     command = ["dvc", "exp", "run", "-S", "select.max_ppl_increase=0.45", "-n", "budget-45"]
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
