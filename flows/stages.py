@@ -12,7 +12,6 @@ from prefect.tasks import exponential_backoff
 
 from flows.cluster import BENCHMARK_RESOURCE, Stored, Workspace, on_benchmark_workers, workspace
 from flows.progress import progress_bar
-from tasks.build.optimize import build_variant
 from tasks.config import Config, VariantConfig
 from tasks.decide.registry import RegisteredVersion, fetch_version, mlflow_refused
 from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
@@ -32,6 +31,7 @@ from tasks.measure.fingerprint import git_commit, machine_fingerprint
 from tasks.report.timeline import Span, overlapping, timed
 from tasks.report.timings import StageClock
 from tasks.report.tracking import log_reports, log_variant_run, write_reports
+from tasks.techniques.optimize import build_variant
 
 
 def workdir(config: Config, root: Path) -> Path:

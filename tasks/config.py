@@ -153,7 +153,7 @@ QuantizeMethod = Literal[
 
 
 class QuantizeStep(Strict):
-    """Weight quantization; see tasks/build/quantize.py for what each method stores and runs."""
+    """Weight quantization; see tasks/techniques/quantize.py for what each method stores and runs."""
 
     method: QuantizeMethod
     # Method-specific settings; setting one that another method owns is refused.
@@ -180,7 +180,7 @@ class QuantizeStep(Strict):
 
 class MixedPrecision(Strict):
     """int4 with the weight matrices that cost the most accuracy kept at int8, chosen on the calibration split
-    (tasks/build/mixed_precision.py): until the calibration perplexity increase fits the target, or the bytes the
+    (tasks/techniques/mixed_precision.py): until the calibration perplexity increase fits the target, or the bytes the
     budget allows are spent."""
 
     target_ppl_increase: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.02  # below the gate's budget
@@ -200,7 +200,7 @@ class OnnxGenAIStep(Strict):
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
     mixed_precision: MixedPrecision | None = None  # int4 only: keep the most sensitive matrices at int8
     # int4 only: how weights are rounded. rtn: the builder's round-to-nearest; gptq: GPTQ on the calibration split
-    # onto the same grid (symmetric only), which the builder then stores as is (tasks/build/gptq.py)
+    # onto the same grid (symmetric only), which the builder then stores as is (tasks/techniques/gptq.py)
     rounding: Literal["rtn", "gptq"] = "rtn"
 
     @model_validator(mode="after")
@@ -219,7 +219,7 @@ GgufType = Literal[
 
 
 class LlamaCppStep(Strict):
-    """Convert to GGUF with llama.cpp's converter and quantize with llama.cpp (tasks/build/gguf.py); the variant
+    """Convert to GGUF with llama.cpp's converter and quantize with llama.cpp (tasks/techniques/gguf.py); the variant
     then runs in llama.cpp. `shipped`: the source model's own GGUF as distributed, unchanged: the peer row, which
     shows what a user gets without llmopt and is measured but never selected."""
 
@@ -230,7 +230,7 @@ class LlamaCppStep(Strict):
     imatrix: bool = False
     imatrix_windows: Annotated[int, Field(ge=1, le=4096)] = 32  # calibration windows of 256 tokens it sees
     # Q4_0 / IQ4_NL only: the layers' matrices that cost the most accuracy kept at Q8_0, each plan measured in
-    # llama.cpp on the calibration split (tasks/build/mixed_precision.py)
+    # llama.cpp on the calibration split (tasks/techniques/mixed_precision.py)
     mixed_precision: MixedPrecision | None = None
 
     MIXABLE: ClassVar[tuple[str, ...]] = ("Q4_0", "IQ4_NL")  # one block-32 type for every matrix

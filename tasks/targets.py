@@ -56,7 +56,7 @@ def target_problems(config: Config, cuda_available: bool) -> list[str]:
 def _llama_cpp_problems(where: str, step: Step, config: Config) -> list[str]:
     import importlib.util
 
-    from tasks.build.gguf import shipped_gguf
+    from tasks.techniques.gguf import shipped_gguf
 
     problems = []
     if importlib.util.find_spec("llama_cpp") is None:

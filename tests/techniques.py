@@ -111,9 +111,9 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
     if kind is None:
         yield
         return
-    import tasks.build.gguf as gguf
-    import tasks.build.optimize as optimize
-    import tasks.build.quantize as quantize
+    import tasks.techniques.gguf as gguf
+    import tasks.techniques.optimize as optimize
+    import tasks.techniques.quantize as quantize
     from tasks.engines.torch_weights import HF_SAFETENSORS
 
     real_quantize, real_export = quantize.quantize_model, optimize.build_onnx_genai
@@ -223,7 +223,7 @@ def codebook(kind: str) -> np.ndarray:
 def stored_problems(folder: Path, claim: Claim, runtime: Runtime) -> list[str]:
     """Where the stored variant is not what `claim` says (empty when it is)."""
     if claim.stored == "onnx":
-        from tasks.build.onnx_export import weight_bits
+        from tasks.techniques.onnx_export import weight_bits
 
         bits = weight_bits(folder)
         matrices = {n: b for n, b in bits.items() if "layers." in n}
@@ -232,8 +232,8 @@ def stored_problems(folder: Path, claim: Claim, runtime: Runtime) -> list[str]:
             [] if len(matrices) == 5 * LAYERS else [f"{len(matrices)} of {5 * LAYERS} matrices quantized"]
         )
     if claim.stored == "gguf":
-        from tasks.build.gguf import tensor_types
         from tasks.engines.llama_cpp import MODEL_FILE
+        from tasks.techniques.gguf import tensor_types
 
         types = {
             n: t

@@ -57,7 +57,7 @@ def load_torch_model(folder: Path, weights_format: str, dtype: str, settings: Ru
 
 
 def load_quantized(folder: Path, weights_format: str) -> Any:
-    """Rebuild a quantized model saved by `tasks.build.quantize.save_quantized`."""
+    """Rebuild a quantized model saved by `tasks.techniques.quantize.save_quantized`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights

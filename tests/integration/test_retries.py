@@ -30,11 +30,11 @@ def registry(tmp_path, tiny_model_dir):
     """(config, variant folder, MLflow run id) on a fresh SQLite tracking + registry store."""
     import mlflow
 
-    from tasks.build.optimize import build_variant
     from tasks.config import TrackingConfig, VariantConfig
     from tasks.inputs.load import PreparedBase
     from tasks.report.tracking import configure_tracking
     from tasks.storage import folder_sha256
+    from tasks.techniques.optimize import build_variant
 
     previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     experiment_id = configure_tracking(TrackingConfig(), tmp_path)  # sqlite:///<tmp_path>/mlflow.db

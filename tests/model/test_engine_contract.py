@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.build.optimize import build_variant
 from tasks.config import VariantConfig
 from tasks.engines import ENGINES, Runtime, load_runtime
+from tasks.techniques.optimize import build_variant
 
 TEXT = "The river walks the stone near the garden 12. The train finds the book near the quiet forest 7."
 RECIPES = {

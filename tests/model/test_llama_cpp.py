@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from tasks.build.optimize import build_variant
 from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.llama_cpp import MODEL_FILE
 from tasks.inputs.load import PreparedBase
+from tasks.techniques.optimize import build_variant
 from tests.factories import synthetic_sentences
 
 TEXT = " ".join(synthetic_sentences(40, seed=3))
@@ -79,7 +79,7 @@ def test_the_importance_matrix_covers_every_matrix_and_changes_the_rounding(tiny
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.build.gguf import gguf_tensor_name, importance_matrix
+    from tasks.techniques.gguf import gguf_tensor_name, importance_matrix
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_base.path)

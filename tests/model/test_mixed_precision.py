@@ -9,12 +9,12 @@ import pytest
 
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
-from tasks.build.mixed_precision import export_matrices, fake_quantize
-from tasks.build.onnx_export import weight_bits
 from tasks.config import VariantConfig
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
 from tasks.storage import folder_sha256
+from tasks.techniques.mixed_precision import export_matrices, fake_quantize
+from tasks.techniques.onnx_export import weight_bits
 from tests.factories import synthetic_sentences
 
 PLANTED = "/model/layers.1/mlp/down_proj/MatMul"
@@ -64,7 +64,7 @@ def planted_base(
 def _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch):
     """Build `recipe` on the planted model through the optimize stage; the search must see calibration text only
     (the evaluation split holds words the calibration split never has)."""
-    import tasks.build.mixed_precision as mixed_precision
+    import tasks.techniques.mixed_precision as mixed_precision
 
     calibration = [" ".join(synthetic_sentences(40, seed=s)) for s in range(6)]
     evaluation = ["zebra quartz " * 30]
@@ -109,7 +109,7 @@ def test_llama_cpp_keeps_the_planted_layer_at_q8_0_and_the_rest_at_q4_0_using_ca
 ):
     """In llama.cpp the search measures each layer at Q8_0 and each plan in llama.cpp itself: the layer holding
     the planted matrix is kept, the other goes to Q4_0, and the GGUF stores exactly that."""
-    from tasks.build.gguf import tensor_types
+    from tasks.techniques.gguf import tensor_types
 
     settings = RECIPE["steps"][0]["onnx_genai"]["mixed_precision"] | {
         "size_budget": 0.8
@@ -177,7 +177,7 @@ def test_gptq_rounds_onto_the_exports_own_grid_and_beats_round_to_nearest(plante
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.build.gptq import gptq_round, hessians
+    from tasks.techniques.gptq import gptq_round, hessians
 
     model = AutoModelForCausalLM.from_pretrained(planted_base.path)
     tokenizer = AutoTokenizer.from_pretrained(planted_base.path)
@@ -198,7 +198,7 @@ def test_gptq_rounds_onto_the_exports_own_grid_and_beats_round_to_nearest(plante
 
 
 def test_a_gptq_export_keeps_gptqs_weights_and_lowers_the_calibration_loss(planted_base, tmp_path):
-    from tasks.build.optimize import build_variant
+    from tasks.techniques.optimize import build_variant
 
     calibration = [" ".join(synthetic_sentences(40, seed=s)) for s in range(6)]
     losses = {}
@@ -229,8 +229,8 @@ def test_the_per_layer_search_measures_only_what_can_change_the_plan(tiny_model_
     layer is measured, and a size budget with no room for one layer at Q8_0 is refused before anything is."""
     from transformers import AutoModelForCausalLM
 
-    from tasks.build import gguf
-    from tasks.build.mixed_precision import search
+    from tasks.techniques import gguf
+    from tasks.techniques.mixed_precision import search
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     calls = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tasks.build.prune import (
+from tasks.techniques.prune import (
     count_parameters,
     decoder_linears,
     heal,

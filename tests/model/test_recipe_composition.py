@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tasks.build.optimize import build_variant
 from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import ConfigError, ModelSourceError
 from tasks.inputs.load import PreparedBase
 from tasks.storage import folder_sha256
+from tasks.techniques.optimize import build_variant
 from tests.factories import synthetic_sentences
 
 PRUNE_THEN_INT8 = {

@@ -12,9 +12,9 @@ import pytest
 
 from serving.app import create_app
 from serving.models import ModelRouter, ServedModel, serve_runtime
-from tasks.build.optimize import build_variant
 from tasks.config import ServeConfig, VariantConfig
 from tasks.engines import Runtime, load_runtime
+from tasks.techniques.optimize import build_variant
 
 RECIPES = {
     "torch": {},

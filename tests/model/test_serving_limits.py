@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tasks.build.optimize import build_variant
 from tasks.config import ServeConfig, VariantConfig
 from tasks.engines import Runtime, load_runtime
+from tasks.techniques.optimize import build_variant
 from tests.model.test_serving_app import PROMPT, live_server
 
 KEY = "s3cret-key"

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.build.optimize import build_variant
 from tasks.config import VariantConfig
 from tasks.engines.manifest import read_manifest
+from tasks.techniques.optimize import build_variant
 from tests.techniques import (
     CALIBRATION,
     CLAIMS,

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.build.optimize import build_variant
 from tasks.config import EvaluateConfig, VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import DataValidationError
 from tasks.measure.evaluate import evaluate_perplexity, evaluate_variant
 from tasks.storage import folder_sha256
+from tasks.techniques.optimize import build_variant
 from tests.techniques import CLAIMS, FP32_RECIPES
 
 # Recipes that run the fp32 graph in another engine must agree with torch fp32 to float rounding (mean per-token

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.build.onnx_export import build_onnx_genai, weight_bits
 from tasks.config import LlamaCppStep, OnnxGenAIStep, Step, VariantConfig
 from tasks.engines import llama_cpp, onnx_genai, pytorch
 from tasks.engines.llama_cpp import GGUF
@@ -24,6 +23,7 @@ from tasks.errors import ConfigError, ModelSourceError
 from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase, save_tokenizer
 from tasks.storage import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
+from tasks.techniques.onnx_export import build_onnx_genai, weight_bits
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _step_arguments(kind: str) -> Iterator[None]:
 
 
 def _quantize_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
-    from tasks.build.quantize import NOTES, quantize_model
+    from tasks.techniques.quantize import NOTES, quantize_model
 
     calibration = (
         context.sequences(context.tokenizer, 256, limit=16) if step.quantize.method == "quanto_w8a8" else []
@@ -76,7 +76,7 @@ def _quantize_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, 
 
 
 def _prune_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
-    from tasks.build import prune
+    from tasks.techniques import prune
 
     cfg, tokenizer = step.prune, context.tokenizer
     with _step_arguments("prune"):
@@ -99,7 +99,7 @@ def _prune_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str
 
 
 def _distill_step(model: Any, step: Step, context: BuildContext) -> tuple[Any, str, str]:
-    from tasks.build.distill import DistillSettings, build_student, distill
+    from tasks.techniques.distill import DistillSettings, build_student, distill
 
     cfg = step.distill
     with _step_arguments("distill"):
@@ -133,7 +133,7 @@ STEP_APPLIERS: dict[str, Callable[[Any, Step, BuildContext], tuple[Any, str, str
 EXPORT_STEPS = ("onnx_genai", "llama_cpp")  # steps that hand the model to another engine (always last)
 
 # What writes a variant's bytes: the build steps and the weights formats they save.
-BUILDER_MODULES = ("tasks.build", "tasks.engines.torch_weights", "tasks.engines.manifest")
+BUILDER_MODULES = ("tasks.techniques", "tasks.engines.torch_weights", "tasks.engines.manifest")
 
 
 def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) -> str:
@@ -260,7 +260,7 @@ def _apply_recipe(
         return ONNX_GENAI, onnx_genai.ENGINE, parameters, [*notes, note]
     save_tokenizer(context.tokenizer, dest)
     if weights_format != HF_SAFETENSORS:
-        from tasks.build.quantize import save_quantized
+        from tasks.techniques.quantize import save_quantized
 
         save_quantized(model, weights_format, dest)
     else:
@@ -272,7 +272,7 @@ def _gguf_export(
     model: Any, step: LlamaCppStep, base_path: Path, dest: Path, context: BuildContext, changed: bool
 ) -> str:
     """The model as a llama.cpp GGUF of `step.type` in `dest`."""
-    from tasks.build import gguf
+    from tasks.techniques import gguf
 
     with tempfile.TemporaryDirectory(prefix="llmopt-gguf-") as scratch:
         source = _save_float_model(model, context.tokenizer, Path(scratch)) if changed else base_path
@@ -312,8 +312,8 @@ def _gguf_precision_plan(
     simulated grid's, and measured per layer it ranked the wrong matrices on SmolLM2."""
     import os
 
-    from tasks.build import gguf
-    from tasks.build.mixed_precision import search
+    from tasks.techniques import gguf
+    from tasks.techniques.mixed_precision import search
 
     settings = step.mixed_precision
     windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
@@ -354,7 +354,7 @@ def _shipped_gguf(dest: Path, context: BuildContext) -> tuple[str, int]:
     """The source's own GGUF copied into `dest`: (note, parameter count read from the file)."""
     from gguf import GGUFReader
 
-    from tasks.build import gguf
+    from tasks.techniques import gguf
 
     with _step_arguments("llama_cpp"):
         shipped = gguf.shipped_gguf(context.source)
@@ -369,7 +369,7 @@ def _shipped_gguf(dest: Path, context: BuildContext) -> tuple[str, int]:
 
 def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: BuildContext) -> Any:
     """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's)."""
-    from tasks.build.mixed_precision import search
+    from tasks.techniques.mixed_precision import search
 
     settings = export.mixed_precision
     windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
@@ -387,8 +387,8 @@ def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: BuildConte
 
 def _gptq_rounding(model: Any, export: OnnxGenAIStep, plan: Any, context: BuildContext) -> str:
     """GPTQ-round (in place, onto the export's int4 grid) every matrix the export stores at int4."""
-    from tasks.build.gptq import GPTQ_WINDOW_TOKENS, GPTQ_WINDOWS, apply_gptq
-    from tasks.build.mixed_precision import export_matrices
+    from tasks.techniques.gptq import GPTQ_WINDOW_TOKENS, GPTQ_WINDOWS, apply_gptq
+    from tasks.techniques.mixed_precision import export_matrices
 
     windows = context.sequences(context.tokenizer, GPTQ_WINDOW_TOKENS, limit=GPTQ_WINDOWS)
     with _step_arguments("onnx_genai"):

@@ -61,7 +61,14 @@ def convert_to_gguf(source: Path, out_file: Path) -> str:
             f"llama_cpp: llama.cpp's converter is missing ({CONVERTER}); run `make install` (it unpacks it from "
             "llama-cpp-python's source package)"
         )
-    command = [sys.executable, "-m", "tasks.build.gguf_convert", str(CONVERTER), str(source), str(out_file)]
+    command = [
+        sys.executable,
+        "-m",
+        "tasks.techniques.gguf_convert",
+        str(CONVERTER),
+        str(source),
+        str(out_file),
+    ]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     env.pop("NO_LOCAL_GGUF", None)  # the converter must use the gguf-py of its own llama.cpp tree
     result = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -165,7 +172,7 @@ def gguf_matrices(model: Any) -> list[Any]:
     left to llama.cpp's choice for the file type)."""
     import torch
 
-    from tasks.build.mixed_precision import Matrix
+    from tasks.techniques.mixed_precision import Matrix
 
     matrices = []
     for module_name, module in model.named_modules():
