@@ -11,7 +11,7 @@ LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
+.PHONY: help run test test-fast techniques-table lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -28,6 +28,9 @@ test: install ## lint + the whole test suite (unit, data, model, integration inc
 
 test-fast: install ## the suite without the slow end-to-end tests
 	pytest -m "not slow"
+
+techniques-table: install ## regenerate the README's technique table from the technique registry
+	$(VENV)/bin/python -m tasks.techniques.registry README.md
 
 lint: install ## ruff lint and format check
 	ruff check . && ruff format --check .

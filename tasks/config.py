@@ -8,41 +8,14 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from tasks.errors import ConfigError
-
-Dtype = Literal["float32", "bfloat16", "float16"]
-
-
-class Strict(BaseModel):
-    """Base for every config section: unknown keys are refused, values are not coerced across types.
-
-    Every default is declared here, once, on its field; code reads the field and never supplies a fallback.
-    """
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-    # Recipe sections only: fields written into the recipe (and its hash) even when left at their default. Every
-    # other field enters the recipe only when params.yaml sets it, so a new setting (or a default made explicit
-    # in code) changes no existing recipe hash. These lists are frozen: recipe hashes recorded in MLflow and the
-    # registry depend on them.
-    RECORDED_DEFAULTS: ClassVar[frozenset[str]] = frozenset()
-
-    def recipe_data(self) -> dict[str, Any]:
-        """What the user wrote in this section (plus its recorded defaults), as plain JSON data."""
-        names = [n for n in type(self).model_fields if n in self.model_fields_set | self.RECORDED_DEFAULTS]
-        return {name: _plain(getattr(self, name)) for name in names if getattr(self, name) is not None}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Strict):
-        return value.recipe_data()
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    return value
+from tasks.schema import Dtype, Strict
+from tasks.techniques import registry
 
 
 class ProjectConfig(Strict):
@@ -137,198 +110,12 @@ class SelectConfig(Strict):
     ppl_tolerance_vs_production: Annotated[float, Field(ge=0.0, le=1.0)] = 0.005
 
 
-QuantizeMethod = Literal[
-    "torch_dynamic_int8",
-    "torchao_int8_weight_only",
-    "torchao_int8_dynamic",
-    "torchao_int4_weight_only",
-    "quanto_w8a16",
-    "quanto_w4a16",
-    "quanto_w8a8",
-    "bnb_nf4",
-    "bnb_fp4",
-    "bnb_int8",
-    "gptq",
-]
-
-
-class QuantizeStep(Strict):
-    """Weight quantization; see tasks/techniques/quantize.py for what each method stores and runs."""
-
-    method: QuantizeMethod
-    # Method-specific settings; setting one that another method owns is refused.
-    group_size: Literal[32, 64, 128, 192] = 64  # torchao_int4_weight_only, gptq (SmolLM2's 576 = 9 × 64)
-    double_quant: bool = True  # bnb_nf4 / bnb_fp4: also quantize the scales
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bnb_nf4 / bnb_fp4 matmuls
-    bits: Literal[2, 3, 4, 8] = 4  # gptq
-    desc_act: bool = False  # gptq: quantize columns by decreasing activation order
+class StepBase(Strict):
+    """One recipe step, written as a one-key mapping such as `{quantize: {method: torch_dynamic_int8}}`: one field
+    per registered technique (tasks/techniques/registry.py), exactly one of them set."""
 
     @model_validator(mode="after")
-    def _fields_of_the_method(self) -> QuantizeStep:
-        owners = {
-            "group_size": ("torchao_int4_weight_only", "gptq"),
-            "double_quant": ("bnb_nf4", "bnb_fp4"),
-            "compute_dtype": ("bnb_nf4", "bnb_fp4"),
-            "bits": ("gptq",),
-            "desc_act": ("gptq",),
-        }
-        for name in sorted(name for name in owners if name in self.model_fields_set):
-            if self.method not in owners[name]:
-                raise ValueError(f"{name} applies to {' / '.join(owners[name])}, not {self.method}")
-        return self
-
-
-class MixedPrecision(Strict):
-    """int4 with the weight matrices that cost the most accuracy kept at int8, chosen on the calibration split
-    (tasks/techniques/mixed_precision.py): until the calibration perplexity increase fits the target, or the bytes the
-    budget allows are spent."""
-
-    target_ppl_increase: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.02  # below the gate's budget
-    size_budget: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6  # share of the all-int8 matrices' bytes
-    windows: Annotated[int, Field(ge=1, le=4096)] = 16  # calibration windows the search measures on ...
-    window_tokens: Annotated[int, Field(ge=16, le=8192)] = 256  # ... of this many tokens
-
-
-class OnnxGenAIStep(Strict):
-    """Export to ONNX Runtime GenAI with its model builder; int4/int8 are weight-only (MatMulNBits) block-wise."""
-
-    RECORDED_DEFAULTS = frozenset({"precision", "block_size", "symmetric", "accuracy_level"})
-    precision: Literal["int4", "int8", "fp32"] = "int4"
-    block_size: Literal[16, 32, 64, 128, 256] = 32
-    symmetric: bool = True
-    # 4 = int8 activations inside the int4/int8 MatMuls (VNNI kernels on AVX-512 CPUs); 0 = builder default.
-    accuracy_level: Literal[0, 1, 2, 3, 4] = 4
-    mixed_precision: MixedPrecision | None = None  # int4 only: keep the most sensitive matrices at int8
-    # int4 only: how weights are rounded. rtn: the builder's round-to-nearest; gptq: GPTQ on the calibration split
-    # onto the same grid (symmetric only), which the builder then stores as is (tasks/techniques/gptq.py)
-    rounding: Literal["rtn", "gptq"] = "rtn"
-
-    @model_validator(mode="after")
-    def _int4_options(self) -> OnnxGenAIStep:
-        for name in ("mixed_precision", "rounding"):
-            if name in self.model_fields_set and self.precision != "int4":
-                raise ValueError(f"{name} applies to precision int4, not {self.precision}")
-        if self.rounding == "gptq" and not self.symmetric:
-            raise ValueError("rounding: gptq rounds onto the symmetric grid; leave symmetric at true")
-        return self
-
-
-GgufType = Literal[
-    "F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS", "shipped"
-]
-
-
-class LlamaCppStep(Strict):
-    """Convert to GGUF with llama.cpp's converter and quantize with llama.cpp (tasks/techniques/gguf.py); the variant
-    then runs in llama.cpp. `shipped`: the source model's own GGUF as distributed, unchanged: the peer row, which
-    shows what a user gets without llmopt and is measured but never selected."""
-
-    RECORDED_DEFAULTS = frozenset({"type"})
-    type: GgufType = "Q4_K_M"  # llama.cpp's file types (K-quant mixes keep sensitive tensors at more bits)
-    # an importance matrix (mean squared activation of every input column) measured on the calibration split:
-    # the quantizer then rounds to protect the columns that matter (K-quants, Q4_0 and IQ4 types use it)
-    imatrix: bool = False
-    imatrix_windows: Annotated[int, Field(ge=1, le=4096)] = 32  # calibration windows of 256 tokens it sees
-    # Q4_0 / IQ4_NL only: the layers' matrices that cost the most accuracy kept at Q8_0, each plan measured in
-    # llama.cpp on the calibration split (tasks/techniques/mixed_precision.py)
-    mixed_precision: MixedPrecision | None = None
-
-    MIXABLE: ClassVar[tuple[str, ...]] = ("Q4_0", "IQ4_NL")  # one block-32 type for every matrix
-
-    @model_validator(mode="after")
-    def _shipped_is_as_is(self) -> LlamaCppStep:
-        if (
-            self.type == "shipped"
-            and {"imatrix", "imatrix_windows", "mixed_precision"} & self.model_fields_set
-        ):
-            raise ValueError(
-                "type shipped is the source's GGUF unchanged; imatrix and mixed_precision do not apply"
-            )
-        if "imatrix_windows" in self.model_fields_set and not self.imatrix:
-            raise ValueError("imatrix_windows applies only with imatrix: true")
-        if self.mixed_precision is not None and self.type not in self.MIXABLE:
-            raise ValueError(
-                f"mixed_precision applies to type {' or '.join(self.MIXABLE)} (one 4-bit type for every matrix, "
-                f"some kept at Q8_0), not {self.type}"
-            )
-        return self
-
-
-class PruneStep(Strict):
-    """Magnitude pruning: `unstructured` zeros weights (same size and speed without sparse kernels); `structured`
-    removes MLP neurons / grouped-query attention groups, the same number in every layer (smaller matrices)."""
-
-    method: Literal["unstructured", "structured"]
-    sparsity: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5  # unstructured: share of weights zeroed
-    scope: Literal["global", "layer"] = "global"  # unstructured: one threshold, or one per layer
-    # structured: share of MLP neurons and number of KV groups (KV head + its queries) removed in every layer.
-    # Both default to 0 (remove nothing) and at least one must be set: how much to cut is the user's call.
-    mlp_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
-    head_groups: Annotated[int, Field(ge=0)] = 0
-    importance: Literal["magnitude", "activation"] = (
-        "activation"  # structured: activations on calibration text
-    )
-    heal_steps: Annotated[int, Field(ge=0, le=100_000)] = 0  # fine-tune on the calibration split afterwards
-    heal_lr: Annotated[float, Field(gt=0.0, le=1.0)] = 5e-5
-
-    @model_validator(mode="after")
-    def _fields_of_the_method(self) -> PruneStep:
-        own = {
-            "unstructured": ("sparsity", "scope"),
-            "structured": ("mlp_fraction", "head_groups", "importance"),
-        }
-        other = "structured" if self.method == "unstructured" else "unstructured"
-        foreign = [name for name in own[other] if name in self.model_fields_set]
-        if foreign:
-            raise ValueError(f"{foreign[0]} does not apply to method {self.method}")
-        if self.method == "structured" and not (self.mlp_fraction or self.head_groups):
-            raise ValueError("structured pruning needs mlp_fraction > 0 or head_groups > 0")
-        return self
-
-
-class DistillStep(Strict):
-    """Knowledge distillation into a shallower student (every k-th layer kept), KL on teacher logits + CE."""
-
-    RECORDED_DEFAULTS = frozenset(
-        {"steps", "max_seconds", "lr", "temperature", "alpha", "batch_size", "sequence_tokens"}
-        | {"checkpoint_every", "seed"}
-    )
-    keep_every: Annotated[int, Field(ge=2, le=64)] = 2  # keep layers 0, k, 2k, … and the last ...
-    layers: Annotated[int, Field(ge=2)] | None = None  # ... or, when set, this many layers evenly spaced
-    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 200
-    max_seconds: Annotated[float, Field(gt=0)] = 600.0  # wall-clock bound; a later run resumes the checkpoint
-    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
-    temperature: Annotated[float, Field(gt=0.0, le=100.0)] = 2.0
-    alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5  # weight of the KL term (1 - alpha on cross-entropy)
-    batch_size: Annotated[int, Field(ge=1, le=1024)] = 4
-    sequence_tokens: Annotated[int, Field(ge=8, le=8192)] = (
-        256  # calibration text cut into sequences this long
-    )
-    checkpoint_every: Annotated[int, Field(ge=1)] = 25
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _one_depth_rule(self) -> DistillStep:
-        if "keep_every" in self.model_fields_set and self.layers is not None:
-            raise ValueError("set keep_every or layers, not both")
-        return self
-
-    def student_depth(self) -> tuple[int | None, int | None]:
-        """(keep_every, layers) for `build_student`: exactly one of them is set."""
-        return (None, self.layers) if self.layers is not None else (self.keep_every, None)
-
-
-class Step(Strict):
-    """One recipe step, written as a one-key mapping such as `{quantize: {method: torch_dynamic_int8}}`."""
-
-    prune: PruneStep | None = None
-    distill: DistillStep | None = None
-    quantize: QuantizeStep | None = None
-    onnx_genai: OnnxGenAIStep | None = None
-    llama_cpp: LlamaCppStep | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> Step:
+    def _exactly_one(self) -> StepBase:
         chosen = [name for name in type(self).model_fields if getattr(self, name) is not None]
         if len(chosen) != 1:
             raise ValueError(f"a step names exactly one technique, got {chosen or 'none'}")
@@ -337,6 +124,23 @@ class Step(Strict):
     @property
     def kind(self) -> str:
         return next(name for name in type(self).model_fields if getattr(self, name) is not None)
+
+    @property
+    def settings(self) -> Strict:
+        """The chosen technique's settings."""
+        return getattr(self, self.kind)
+
+    @property
+    def technique(self) -> registry.Technique:
+        return registry.technique(self.kind)
+
+
+Step = create_model(
+    "Step",
+    __base__=StepBase,
+    __module__=__name__,
+    **{name: (entry.settings | None, None) for name, entry in registry.load().items()},
+)
 
 
 class RuntimeSettings(Strict):
@@ -373,23 +177,29 @@ class VariantConfig(Strict):
     @model_validator(mode="after")
     def _steps_compose(self) -> VariantConfig:
         kinds = [step.kind for step in self.steps]
-        if kinds.count("quantize") > 1:
+        roles = [step.technique.role for step in self.steps]
+        transforms, exports = registry.of_role("transform"), registry.of_role("export")
+        if roles.count("quantize") > 1:
             raise ValueError("one quantize step per variant (weights cannot be quantized twice)")
-        if "quantize" in kinds and any(k in ("prune", "distill") for k in kinds[kinds.index("quantize") :]):
-            raise ValueError("prune and distill work on float weights; put them before quantize")
-        if "quantize" in kinds and self.runtime.dtype != "float32":
-            raise ValueError("quantize steps set their own compute precision; leave runtime.dtype at float32")
-        for export, engine in (("onnx_genai", "ONNX Runtime GenAI"), ("llama_cpp", "llama.cpp")):
-            if export not in kinds:
-                continue
+        if "quantize" in roles:
+            quantize = kinds[roles.index("quantize")]
+            if "transform" in roles[roles.index("quantize") :]:
+                raise ValueError(f"{_and(transforms)} work on float weights; put them before {quantize}")
+            if self.runtime.dtype != "float32":
+                raise ValueError(
+                    f"{quantize} steps set their own compute precision; leave runtime.dtype at float32"
+                )
+        for export in (name for name in exports if name in kinds):
+            engine = registry.technique(export).engine_label
             if kinds.index(export) != len(kinds) - 1 or kinds.count(export) > 1:
                 raise ValueError(f"{export} changes the engine and must be the last step")
-            if "quantize" in kinds:
+            if "quantize" in roles:
                 raise ValueError(
-                    f"{export} exports a float model; use its own precision instead of torch quantize"
+                    f"{export} exports a float model; use its own precision instead of torch {kinds[roles.index('quantize')]}"
                 )
-            if {"onnx_genai", "llama_cpp"} <= set(kinds):
-                raise ValueError("onnx_genai and llama_cpp each export the model; a variant has one engine")
+            if roles.count("export") > 1:
+                present = [name for name in exports if name in kinds]
+                raise ValueError(f"{_and(present)} each export the model; a variant has one engine")
             if self.runtime.dtype != "float32":
                 raise ValueError(f"{export} sets its own precision; leave runtime.dtype at float32")
             if self.runtime.torch_only():
@@ -398,7 +208,8 @@ class VariantConfig(Strict):
                     f"run in {engine} (only runtime.threads applies there)"
                 )
         if self.peer and len(self.steps) > 1:
-            raise ValueError("llama_cpp type shipped is the source's own GGUF; it takes no other steps")
+            peer = next(step.kind for step in self.steps if not step.technique.needs_model(step.settings))
+            raise ValueError(f"{peer} {registry.technique(peer).peer_note}; it takes no other steps")
         return self
 
     @property
@@ -417,8 +228,19 @@ class VariantConfig(Strict):
 
 
 def is_peer_recipe(recipe: dict[str, Any]) -> bool:
-    """Whether a recorded recipe is the peer row (the source's own GGUF, `llama_cpp: {type: shipped}`)."""
-    return any((step.get("llama_cpp") or {}).get("type") == "shipped" for step in recipe.get("steps", []))
+    """Whether a recorded recipe is the peer row (the source's own model as shipped, `llama_cpp: {type: shipped}`):
+    a step that needs no float model."""
+    for step in recipe.get("steps", []):
+        for name, settings in step.items():
+            read = registry.recorded_settings(name, settings)
+            if read is not None and not read[0].needs_model(read[1]):
+                return True
+    return False
+
+
+def _and(names: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 class TrackingConfig(Strict):
@@ -573,6 +395,8 @@ class Config(Strict):
 
 def load_config(path: Path) -> Config:
     """Read and validate params.yaml; every problem becomes one ConfigError line naming the key path."""
+    if registry.LOAD_PROBLEMS:  # a technique module that failed to load: the schema lacks its steps
+        raise ConfigError(registry.LOAD_PROBLEMS[0])
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:
@@ -629,9 +453,7 @@ def describe_validation_error(source: str, exc: ValidationError) -> str:
 
 def _is_pydantic_branch(part: Any) -> bool:
     """Union/literal branch labels pydantic inserts into error locations (e.g. 'function-after[...]')."""
-    return isinstance(part, str) and (
-        "[" in part or part in ("QuantizeStep", "Step", "PruneStep", "DistillStep")
-    )
+    return isinstance(part, str) and "[" in part
 
 
 def _format_loc(loc: list[Any]) -> str:

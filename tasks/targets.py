@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.config import Config, Step
-from tasks.errors import LlmoptError, TargetError
+from tasks.config import Config
+from tasks.errors import TargetError
 
 
 def target_problems(config: Config, cuda_available: bool) -> list[str]:
@@ -37,40 +37,13 @@ def target_problems(config: Config, cuda_available: bool) -> list[str]:
                 "float32); use bfloat16"
             )
         for index, step in enumerate(variant.steps):
-            if step.quantize is not None and step.quantize.method == "gptq" and target.device != "cuda":
-                problems.append(
-                    f"variants.{name}.steps[{index}].quantize.method: gptq needs a cuda target (gptqmodel's "
-                    "kernels and calibration are CUDA-only; its sdist does not build here); use onnx_genai int4 "
-                    "or quanto_w4a16 on cpu"
-                )
-            if step.llama_cpp is not None:
-                problems += _llama_cpp_problems(f"variants.{name}.steps[{index}].llama_cpp", step, config)
+            key = f"variants.{name}.steps[{index}].{step.kind}"
+            problems += step.technique.problems(key, step.settings, config, cuda_available)
         if runtime.engine == "tensorrt_llm":
             problems.append(
                 f"{where}.engine: tensorrt_llm needs an NVIDIA GPU target and is not built by llmopt yet; "
                 "use onnx_genai steps (the fastest CPU engine) or the torch engine"
             )
-    return problems
-
-
-def _llama_cpp_problems(where: str, step: Step, config: Config) -> list[str]:
-    import importlib.util
-
-    from tasks.techniques.gguf import shipped_gguf
-
-    problems = []
-    if importlib.util.find_spec("llama_cpp") is None:
-        problems.append(
-            f"{where}: needs llama-cpp-python, which is not installed; run `make install` (it builds llama.cpp "
-            "once per machine, ~5 min on 2 cores)"
-        )
-    if step.llama_cpp.type == "shipped":
-        try:
-            shipped_gguf(config.model.source)
-        except ValueError as exc:
-            problems.append(f"{where}.{exc}")
-        except LlmoptError:
-            pass  # the model source itself is missing: pre-flight's model check names it
     return problems
 
 

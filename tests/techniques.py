@@ -112,11 +112,11 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
         yield
         return
     import tasks.techniques.gguf as gguf
-    import tasks.techniques.optimize as optimize
+    import tasks.techniques.onnx_export as onnx_export
     import tasks.techniques.quantize as quantize
     from tasks.engines.torch_weights import HF_SAFETENSORS
 
-    real_quantize, real_export = quantize.quantize_model, optimize.build_onnx_genai
+    real_quantize, real_export = quantize.quantize_model, onnx_export.build_onnx_genai
     real_convert = gguf.convert_to_gguf
     scratch = Path(tempfile.mkdtemp(prefix="planted-"))
     if kind == "noop":
@@ -124,7 +124,7 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
             quantize, "quantize_model", lambda model, step, calibration: (model, HF_SAFETENSORS)
         )
         monkeypatch.setattr(
-            optimize,
+            onnx_export,
             "build_onnx_genai",
             lambda source, dest, export, *a: real_export(
                 source, dest, export.model_copy(update={"precision": "fp32"}), *a
@@ -139,7 +139,7 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
         def scrambled_export(source, dest, export, *args):
             return real_export(_scrambled_folder(source, scratch / "onnx"), dest, export, *args)
 
-        monkeypatch.setattr(optimize, "build_onnx_genai", scrambled_export)
+        monkeypatch.setattr(onnx_export, "build_onnx_genai", scrambled_export)
         monkeypatch.setattr(
             gguf,
             "convert_to_gguf",

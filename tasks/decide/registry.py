@@ -117,19 +117,16 @@ def _log_and_register(
 
 def model_requirements(manifest: VariantManifest) -> list[str]:
     """Pinned pip requirements of a registered variant: the serving packages plus its weights format's backend."""
-    from tasks.engines.llama_cpp import GGUF
-    from tasks.engines.torch_weights import QUANTO, TRANSFORMERS_QUANTIZED
+    from tasks.techniques import registry
 
     packages = list(SERVING_PACKAGES)
-    methods = [step["quantize"]["method"] for step in manifest.recipe.get("steps", []) if "quantize" in step]
-    if manifest.weights_format == QUANTO:
-        packages.append("optimum-quanto")
-    if manifest.weights_format == TRANSFORMERS_QUANTIZED:
-        packages += ["accelerate", "torchao" if methods[0].startswith("torchao") else "bitsandbytes"]
+    for step in manifest.recipe.get("steps", []):
+        for name, settings in step.items():
+            read = registry.recorded_settings(name, settings)
+            extra = read[0].packages(read[1]) if read else []
+            packages += [package for package in extra if package not in packages]
     if manifest.recipe.get("runtime", {}).get("engine") == "deepspeed":
         packages.append("deepspeed")
-    if manifest.weights_format == GGUF:  # no wheel on PyPI for most platforms: pip builds llama.cpp (minutes)
-        packages.append("llama-cpp-python")
     # a local label such as +cpu is dropped: `==2.13.0` accepts the CPU wheel here and the PyPI release elsewhere
     return [f"{package}=={metadata.version(package).split('+')[0]}" for package in packages]
 

@@ -18,6 +18,7 @@ from tasks.errors import exception_chain
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.report.plots import precision_plot, speed_plot, tradeoff_plot
+from tasks.techniques import registry
 
 
 def tracking_uri(cfg: TrackingConfig, root: Path) -> str:
@@ -297,23 +298,7 @@ def _mixed_precision_metrics(plan: dict[str, Any]) -> dict[str, float]:
     }
 
 
-# Weight bits of each quantization method (what the MLflow compare view plots precision against speed with).
-_METHOD_BITS = {
-    "torch_dynamic_int8": 8,
-    "torchao_int8_weight_only": 8,
-    "torchao_int8_dynamic": 8,
-    "torchao_int4_weight_only": 4,
-    "quanto_w8a16": 8,
-    "quanto_w4a16": 4,
-    "quanto_w8a8": 8,
-    "bnb_nf4": 4,
-    "bnb_fp4": 4,
-    "bnb_int8": 8,
-}
 _DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
-_PRECISION_BITS = {"fp32": 32, "int8": 8, "int4": 4}
-_GGUF_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q6_K": 6, "Q5_K_M": 5}
-_GGUF_BITS |= dict.fromkeys(("Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS"), 4)
 
 
 def recipe_params(manifest: VariantManifest) -> dict[str, Any]:
@@ -333,20 +318,9 @@ def recipe_params(manifest: VariantManifest) -> dict[str, Any]:
     for step in steps:
         ((name, settings),) = step.items()
         params.update(_flatten(settings, f"{name}."))
-        if name == "quantize":
-            bits = (
-                settings.get("bits", 4)
-                if settings.get("method") == "gptq"
-                else _METHOD_BITS.get(settings["method"])
-            )
-            params["weight_bits"] = bits or params["weight_bits"]
-        elif name == "onnx_genai":
-            params["weight_bits"] = _PRECISION_BITS.get(
-                settings.get("precision", "int4"), params["weight_bits"]
-            )
-        elif name == "llama_cpp":  # nominal bits of the file type; the shipped file: bits per weight on disk
-            shipped = round(manifest.size_bytes * 8 / max(manifest.parameters, 1), 1)
-            params["weight_bits"] = _GGUF_BITS.get(settings.get("type", "Q4_K_M"), shipped)
+        read = registry.recorded_settings(name, settings)  # None: a step this version cannot read: no bits
+        bits = read[0].weight_bits(read[1], manifest) if read else None
+        params["weight_bits"] = bits or params["weight_bits"]
     params.update(_flatten(manifest.runtime_settings().model_dump(mode="json"), "runtime."))
     return params
 

@@ -1,1 +1,2 @@
-"""Building variants: a recipe's steps (prune, distill, quantize, ONNX export) applied to the base model."""
+"""The techniques a recipe's steps name, one module each, registered in tasks.techniques.registry; `optimize` runs
+a recipe's steps on the base model and saves the variant."""

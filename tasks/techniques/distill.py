@@ -18,12 +18,91 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from pydantic import Field, model_validator
+
+from tasks.schema import Strict
 from tasks.storage import staged_file
+from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
 
 CHECKPOINT_FILE = "distill-checkpoint.pt"
 PAD_LABEL = -100  # cross_entropy's ignore_index
+
+
+class DistillStep(Strict):
+    """Knowledge distillation into a shallower student (every k-th layer kept), KL on teacher logits + CE."""
+
+    RECORDED_DEFAULTS = frozenset(
+        {"steps", "max_seconds", "lr", "temperature", "alpha", "batch_size", "sequence_tokens"}
+        | {"checkpoint_every", "seed"}
+    )
+    keep_every: Annotated[int, Field(ge=2, le=64)] = 2  # keep layers 0, k, 2k, … and the last ...
+    layers: Annotated[int, Field(ge=2)] | None = None  # ... or, when set, this many layers evenly spaced
+    steps: Annotated[int, Field(ge=1, le=1_000_000)] = 200
+    max_seconds: Annotated[float, Field(gt=0)] = 600.0  # wall-clock bound; a later run resumes the checkpoint
+    lr: Annotated[float, Field(gt=0.0, le=1.0)] = 1e-4
+    temperature: Annotated[float, Field(gt=0.0, le=100.0)] = 2.0
+    alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5  # weight of the KL term (1 - alpha on cross-entropy)
+    batch_size: Annotated[int, Field(ge=1, le=1024)] = 4
+    sequence_tokens: Annotated[int, Field(ge=8, le=8192)] = (
+        256  # calibration text cut into sequences this long
+    )
+    checkpoint_every: Annotated[int, Field(ge=1)] = 25
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_depth_rule(self) -> DistillStep:
+        if "keep_every" in self.model_fields_set and self.layers is not None:
+            raise ValueError("set keep_every or layers, not both")
+        return self
+
+    def student_depth(self) -> tuple[int | None, int | None]:
+        """(keep_every, layers) for `build_student`: exactly one of them is set."""
+        return (None, self.layers) if self.layers is not None else (self.keep_every, None)
+
+
+@register
+class Distill(Technique):
+    name = "distill"
+    settings = DistillStep
+    role = "transform"
+
+    def apply(self, model: Any, settings: DistillStep, context: Any) -> Applied:
+        from tasks.engines.torch_weights import HF_SAFETENSORS
+
+        cfg = settings
+        with step_arguments(self.name):
+            student = build_student(model, *cfg.student_depth())
+        result = distill(
+            model,
+            student,
+            context.sequences(context.tokenizer, cfg.sequence_tokens),
+            DistillSettings(**cfg.model_dump(exclude={"keep_every", "layers", "sequence_tokens"})),
+            context.checkpoints,
+            lambda i, _: context.report("distill", i, cfg.steps),
+        )
+        for key in ("loss", "kl", "ce"):
+            context.history[f"distill_{key}"] = [entry[key] for entry in result.history]
+        first, last = result.history[0]["loss"], result.history[-1]["loss"]
+        note = (
+            f"distilled into {student.config.num_hidden_layers} of {model.config.num_hidden_layers} layers: "
+            f"{result.step} steps (stopped by {result.stopped_by}), loss {first:.3f} → {last:.3f}"
+        )
+        return Applied(student, HF_SAFETENSORS, note)
+
+    def rows(self) -> list[Row]:
+        settings = ("keep_every", "steps", "max_seconds", "lr", "temperature", "alpha", "batch_size")
+        return [
+            Row(
+                "`distill`",
+                (*settings, "sequence_tokens", "checkpoint_every", "seed"),
+                "a student keeping layers 0, k, 2k, … and the last (or `layers` evenly spaced), trained with "
+                "α·T²·KL(teacher ∥ student) + (1 − α)·CE on the calibration split; bounded by steps and seconds; "
+                "checkpoints atomically beside the variant and **resumes** after an interruption; loss, KL and CE "
+                "per step go to the variant's MLflow run",
+            )
+        ]
 
 
 @dataclass(frozen=True)

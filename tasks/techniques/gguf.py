@@ -41,6 +41,7 @@ FILE_TYPES = {
     "IQ4_XS": "LLAMA_FTYPE_MOSTLY_IQ4_XS",
 }
 
+
 # Hugging Face Llama-style module names → GGUF tensor names (what the quantizer looks importance data up by)
 _GGUF_NAMES = {
     "self_attn.q_proj": "attn_q",

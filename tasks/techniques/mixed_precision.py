@@ -21,10 +21,25 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from tasks.schema import Strict
 
 SCALE_BYTES = 4  # the builder's MatMulNBits scales are in the float32 I/O type on CPU
 VERIFY_ROUNDS = 8  # measured plans before the search stops adding matrices
+
+
+class MixedPrecision(Strict):
+    """int4 with the weight matrices that cost the most accuracy kept at int8, chosen on the calibration split
+    (tasks/techniques/mixed_precision.py): until the calibration perplexity increase fits the target, or the bytes the
+    budget allows are spent."""
+
+    target_ppl_increase: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.02  # below the gate's budget
+    size_budget: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6  # share of the all-int8 matrices' bytes
+    windows: Annotated[int, Field(ge=1, le=4096)] = 16  # calibration windows the search measures on ...
+    window_tokens: Annotated[int, Field(ge=16, le=8192)] = 256  # ... of this many tokens
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""onnx_genai step: export a float HF folder to ONNX Runtime GenAI with its model builder (int4/int8/fp32)."""
+"""onnx_genai step: export a float HF folder to ONNX Runtime GenAI with its model builder (int4/int8/fp32), after
+an optional mixed-precision search (tasks/techniques/mixed_precision.py) and GPTQ rounding (tasks/techniques/gptq.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,168 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
-from tasks.config import OnnxGenAIStep
+from pydantic import model_validator
+
 from tasks.errors import ModelSourceError
 from tasks.failpoints import failpoint
+from tasks.schema import Strict
+from tasks.techniques.mixed_precision import MixedPrecision
+from tasks.techniques.registry import (
+    Exported,
+    ExportJob,
+    Row,
+    Technique,
+    register,
+    save_float_model,
+    step_arguments,
+)
+
+if TYPE_CHECKING:
+    from tasks.engines.manifest import VariantManifest
+
+PRECISION_BITS = {"fp32": 32, "int8": 8, "int4": 4}
+
+
+class OnnxGenAIStep(Strict):
+    """Export to ONNX Runtime GenAI with its model builder; int4/int8 are weight-only (MatMulNBits) block-wise."""
+
+    RECORDED_DEFAULTS = frozenset({"precision", "block_size", "symmetric", "accuracy_level"})
+    precision: Literal["int4", "int8", "fp32"] = "int4"
+    block_size: Literal[16, 32, 64, 128, 256] = 32
+    symmetric: bool = True
+    # 4 = int8 activations inside the int4/int8 MatMuls (VNNI kernels on AVX-512 CPUs); 0 = builder default.
+    accuracy_level: Literal[0, 1, 2, 3, 4] = 4
+    mixed_precision: MixedPrecision | None = None  # int4 only: keep the most sensitive matrices at int8
+    # int4 only: how weights are rounded. rtn: the builder's round-to-nearest; gptq: GPTQ on the calibration split
+    # onto the same grid (symmetric only), which the builder then stores as is (tasks/techniques/gptq.py)
+    rounding: Literal["rtn", "gptq"] = "rtn"
+
+    @model_validator(mode="after")
+    def _int4_options(self) -> OnnxGenAIStep:
+        for name in ("mixed_precision", "rounding"):
+            if name in self.model_fields_set and self.precision != "int4":
+                raise ValueError(f"{name} applies to precision int4, not {self.precision}")
+        if self.rounding == "gptq" and not self.symmetric:
+            raise ValueError("rounding: gptq rounds onto the symmetric grid; leave symmetric at true")
+        return self
+
+
+@register
+class OnnxGenAI(Technique):
+    name = "onnx_genai"
+    settings = OnnxGenAIStep
+    role = "export"
+    engine_label = "ONNX Runtime GenAI"
+
+    def export(self, model: Any, settings: OnnxGenAIStep, job: ExportJob) -> Exported:
+        from tasks.engines import onnx_genai
+        from tasks.engines.onnx_genai import ONNX_GENAI
+
+        export, context, notes = settings, job.context, []
+        plan = _mixed_precision_plan(model, export, context) if export.mixed_precision else None
+        if export.rounding == "gptq":
+            notes.append(_gptq_rounding(model, export, plan, context))
+        with tempfile.TemporaryDirectory(prefix="llmopt-export-") as scratch:
+            changed = job.changed or export.rounding != "rtn"
+            source = (
+                job.base_path if not changed else save_float_model(model, context.tokenizer, Path(scratch))
+            )
+            options = plan.builder_options() if plan else None
+            build_onnx_genai(source, job.dest, export, Path(scratch) / "builder-cache", options)
+        note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
+        if plan:
+            _check_plan_applied(plan, job.dest)
+            context.mixed_precision = plan.to_dict()
+            note += f"; {plan.note()}"
+        return Exported(ONNX_GENAI, onnx_genai.ENGINE, [*notes, note])
+
+    def weight_bits(self, settings: OnnxGenAIStep, manifest: VariantManifest) -> int | None:
+        return PRECISION_BITS[settings.precision]
+
+    def rows(self) -> list[Row]:
+        mixed = tuple(f"mixed_precision.{name}" for name in MixedPrecision.model_fields)
+        return [
+            Row(
+                "`onnx_genai: {precision: int4 \\| int8 \\| fp32}`",
+                ("precision", "block_size", "symmetric", "accuracy_level"),
+                "export with ONNX Runtime GenAI's model builder (offline, from the local or pruned/distilled "
+                "folder); int4/int8 weight-only block-wise (MatMulNBits); `accuracy_level: 4` = int8 activations "
+                "inside (VNNI)",
+            ),
+            Row(
+                "`onnx_genai: {precision: int4, rounding: gptq}`",
+                ("rounding",),
+                "GPTQ on CPU: 32 calibration windows of 256 tokens give each matrix's input Hessian (every token "
+                "scaled to unit length, so the attention-sink positions, whose activations are hundreds of times "
+                "the others', do not dominate it); each block of 32 inputs keeps onnxruntime's own symmetric scale "
+                "and its largest element level −8, so the rounded float weights are a fixed point of the builder's "
+                "round-to-nearest and the export stores GPTQ's integers (tested). The tied lm_head is rounded too "
+                "(its table is the int4 embedding's). Symmetric int4 only",
+            ),
+            Row(
+                "`onnx_genai: {precision: int4, mixed_precision: {…}}`",
+                mixed,
+                "accuracy-aware mixed precision: every matrix the export quantizes (a layer's fused q/k/v, o, "
+                "gate, up, down, the lm_head) gets its loss cost at int4 and int8 from the empirical Fisher "
+                "diagonal × the squared rounding error of onnxruntime's own grid (tested equal), scaled to the "
+                "measured all-int4 loss; matrices are kept at int8 by loss saved per byte until the calibration "
+                "perplexity increase fits the target or the bytes (share of an all-int8 export) are spent, each "
+                "plan measured again. Calibration split only; the plan (per-matrix bits, predicted and measured "
+                "increases) is in the manifest and the MLflow run, and the exported graph is checked to carry it",
+            ),
+        ]
+
+
+def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: Any) -> Any:
+    """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's)."""
+    from tasks.techniques.mixed_precision import search
+
+    settings = export.mixed_precision
+    windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
+    with step_arguments("onnx_genai"):
+        return search(
+            model,
+            windows,
+            settings.target_ppl_increase,
+            settings.size_budget,
+            export.block_size,
+            export.symmetric,
+            context.report,
+        )
+
+
+def _gptq_rounding(model: Any, export: OnnxGenAIStep, plan: Any, context: Any) -> str:
+    """GPTQ-round (in place, onto the export's int4 grid) every matrix the export stores at int4."""
+    from tasks.techniques.gptq import GPTQ_WINDOW_TOKENS, GPTQ_WINDOWS, apply_gptq
+    from tasks.techniques.mixed_precision import export_matrices
+
+    windows = context.sequences(context.tokenizer, GPTQ_WINDOW_TOKENS, limit=GPTQ_WINDOWS)
+    with step_arguments("onnx_genai"):
+        matrices = export_matrices(model)
+    keep = set(plan.int8_nodes) if plan else set()
+    rounded = apply_gptq(model, matrices, windows, export.block_size, keep, context.report)
+    tokens = sum(len(ids) for ids in windows)
+    return f"GPTQ rounding of {rounded} of {len(matrices)} matrices on {tokens:,} calibration tokens"
+
+
+def _check_plan_applied(plan: Any, dest: Path) -> None:
+    """The exported graph has int8 exactly where the plan put it (a builder that ignored an override is named)."""
+    exported = weight_bits(dest)
+    wanted = {choice.node: choice.bits for choice in plan.matrices}
+    differing = [node for node, bits in wanted.items() if exported.get(node) != bits]
+    embedding = "/model/embed_tokens/GatherBlockQuantized"
+    if plan.tied_embeddings and wanted.get("/lm_head/MatMul") == 4 and embedding not in exported:
+        differing = [embedding]
+        wanted[embedding] = 4
+    if differing:
+        raise ModelSourceError(
+            f"onnx_genai: the model builder did not apply the mixed-precision plan to {differing[0]} "
+            f"(wanted {wanted[differing[0]]} bits, the graph has {exported.get(differing[0])})"
+        )
 
 
 def build_onnx_genai(

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from tasks.schema import Strict
+from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
 
 UNSTRUCTURED_NOTE = (
     "Unstructured pruning writes zeros into dense matrices: safetensors stores the zeros, so size on disk and "
@@ -21,6 +26,90 @@ STRUCTURED_NOTE = (
     "Structured pruning removed whole MLP neurons and attention groups: the matrices are physically smaller, so "
     "size on disk and compute per token shrink; accuracy must be re-measured (heal first)."
 )
+
+
+class PruneStep(Strict):
+    """Magnitude pruning: `unstructured` zeros weights (same size and speed without sparse kernels); `structured`
+    removes MLP neurons / grouped-query attention groups, the same number in every layer (smaller matrices)."""
+
+    method: Literal["unstructured", "structured"]
+    sparsity: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.5  # unstructured: share of weights zeroed
+    scope: Literal["global", "layer"] = "global"  # unstructured: one threshold, or one per layer
+    # structured: share of MLP neurons and number of KV groups (KV head + its queries) removed in every layer.
+    # Both default to 0 (remove nothing) and at least one must be set: how much to cut is the user's call.
+    mlp_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    head_groups: Annotated[int, Field(ge=0)] = 0
+    importance: Literal["magnitude", "activation"] = (
+        "activation"  # structured: activations on calibration text
+    )
+    heal_steps: Annotated[int, Field(ge=0, le=100_000)] = 0  # fine-tune on the calibration split afterwards
+    heal_lr: Annotated[float, Field(gt=0.0, le=1.0)] = 5e-5
+
+    @model_validator(mode="after")
+    def _fields_of_the_method(self) -> PruneStep:
+        own = {
+            "unstructured": ("sparsity", "scope"),
+            "structured": ("mlp_fraction", "head_groups", "importance"),
+        }
+        other = "structured" if self.method == "unstructured" else "unstructured"
+        foreign = [name for name in own[other] if name in self.model_fields_set]
+        if foreign:
+            raise ValueError(f"{foreign[0]} does not apply to method {self.method}")
+        if self.method == "structured" and not (self.mlp_fraction or self.head_groups):
+            raise ValueError("structured pruning needs mlp_fraction > 0 or head_groups > 0")
+        return self
+
+
+CALIBRATION = (16, 256)  # windows × tokens of calibration text for activation importance
+
+
+@register
+class Prune(Technique):
+    name = "prune"
+    settings = PruneStep
+    role = "transform"
+
+    def apply(self, model: Any, settings: PruneStep, context: Any) -> Applied:
+        from tasks.engines.torch_weights import HF_SAFETENSORS
+
+        cfg, tokenizer = settings, context.tokenizer
+        with step_arguments(self.name):
+            if cfg.method == "unstructured":
+                report = prune_unstructured(model, cfg.sparsity, cfg.scope)
+            else:
+                windows, tokens = CALIBRATION
+                activation = cfg.importance == "activation"
+                calibration = context.sequences(tokenizer, tokens, limit=windows) if activation else None
+                report = prune_structured(
+                    model, cfg.mlp_fraction, cfg.head_groups, cfg.importance, calibration
+                )
+        note = f"{report.method}: {report.parameters_before:,} → {report.parameters_after:,} parameters, "
+        note += f"{report.sparsity:.1%} zeros in decoder matrices. {report.note}"
+        if cfg.heal_steps:
+            steps, batches = cfg.heal_steps, context.sequences(tokenizer, CALIBRATION[1])
+            losses = heal(model, batches, steps, cfg.heal_lr, lambda i, _: context.report("heal", i, steps))
+            context.history["heal_loss"] = losses
+            note += f" Healed {steps} steps: loss {losses[0]:.3f} → {losses[-1]:.3f}."
+        return Applied(model, HF_SAFETENSORS, note)
+
+    def rows(self) -> list[Row]:
+        return [
+            Row(
+                "`prune: {method: unstructured}`",
+                ("sparsity", "scope"),
+                "L1-magnitude zeros in every decoder `nn.Linear` (embeddings untouched); **same size and speed** "
+                "without sparse kernels: the manifest says so",
+            ),
+            Row(
+                "`prune: {method: structured}`",
+                ("mlp_fraction", "head_groups", "importance", "heal_steps", "heal_lr"),
+                "physically removes the least important MLP neurons and grouped-query attention groups (a KV head "
+                "with its query heads), the same number in every layer, so the config stays a valid Llama that "
+                "`from_pretrained` reloads; importance = mean \\|activation\\| on the calibration split (or weight "
+                "magnitude); optional healing fine-tune (loss curve logged)",
+                "(set `mlp_fraction` or `head_groups`: how much to cut is yours to say)",
+            ),
+        ]
 
 
 @dataclass(frozen=True)

@@ -10,36 +10,177 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from tasks.config import QuantizeStep
-from tasks.engines.torch_weights import (
-    QUANTO,
-    QUANTO_MAP_FILE,
-    TORCH_DYNAMIC,
-    TORCH_DYNAMIC_FILE,
-    TRANSFORMERS_QUANTIZED,
-    quantize_dynamic_int8,
-)
+from pydantic import model_validator
 
-NOTES = {
-    "torch_dynamic_int8": "int8 per-channel weights, int8 activations quantized per batch (W8A8 dynamic)",
-    "torchao_int8_weight_only": "torchao int8 per-channel weights, float activations (W8A16)",
-    "torchao_int8_dynamic": "torchao int8 weights + int8 activations quantized per token at run time (W8A8)",
-    "torchao_int4_weight_only": "torchao int4 weights in groups (IntxWeightOnly; stored one int4 per int8 byte)",
-    "quanto_w8a16": "optimum-quanto int8 weights, float activations",
-    "quanto_w4a16": "optimum-quanto int4 weights (groups of 64), float activations",
-    "quanto_w8a8": "optimum-quanto int8 weights + int8 activations with scales calibrated on the calibration split "
-    "(lm_head kept float: its activations do not survive int8)",
-    "bnb_nf4": "bitsandbytes 4-bit NormalFloat weights",
-    "bnb_fp4": "bitsandbytes 4-bit float weights",
-    "bnb_int8": "bitsandbytes LLM.int8() (int8 weights, outlier features in 16-bit)",
+from tasks.schema import Strict
+from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
+
+if TYPE_CHECKING:
+    from tasks.config import Config
+    from tasks.engines.manifest import VariantManifest
+
+
+@dataclass(frozen=True)
+class Method:
+    note: str  # what it stores and runs, for the manifest and the technique table
+    bits: int | None  # bits per weight (None: the `bits` setting says)
+    packages: tuple[str, ...] = ()  # what a registered variant needs to load it (beyond the serving set)
+
+
+METHODS = {
+    "torch_dynamic_int8": Method(
+        "int8 per-channel weights, int8 activations quantized per batch (W8A8 dynamic)", 8
+    ),
+    "torchao_int8_weight_only": Method(
+        "torchao int8 per-channel weights, float activations (W8A16)", 8, ("accelerate", "torchao")
+    ),
+    "torchao_int8_dynamic": Method(
+        "torchao int8 weights + int8 activations quantized per token at run time (W8A8)",
+        8,
+        ("accelerate", "torchao"),
+    ),
+    "torchao_int4_weight_only": Method(
+        "torchao int4 weights in groups (IntxWeightOnly; stored one int4 per int8 byte)",
+        4,
+        ("accelerate", "torchao"),
+    ),
+    "quanto_w8a16": Method("optimum-quanto int8 weights, float activations", 8, ("optimum-quanto",)),
+    "quanto_w4a16": Method(
+        "optimum-quanto int4 weights (groups of 64), float activations", 4, ("optimum-quanto",)
+    ),
+    "quanto_w8a8": Method(
+        "optimum-quanto int8 weights + int8 activations with scales calibrated on the calibration split "
+        "(lm_head kept float: its activations do not survive int8)",
+        8,
+        ("optimum-quanto",),
+    ),
+    "bnb_nf4": Method("bitsandbytes 4-bit NormalFloat weights", 4, ("accelerate", "bitsandbytes")),
+    "bnb_fp4": Method("bitsandbytes 4-bit float weights", 4, ("accelerate", "bitsandbytes")),
+    "bnb_int8": Method(
+        "bitsandbytes LLM.int8() (int8 weights, outlier features in 16-bit)",
+        8,
+        ("accelerate", "bitsandbytes"),
+    ),
+    "gptq": Method("gptqmodel GPTQ (CUDA only)", None, ("gptqmodel",)),
 }
+NOTES = {name: method.note for name, method in METHODS.items()}
+
+QuantizeMethod = Literal[tuple(METHODS)]  # type: ignore[valid-type]
+QUANTO_W8A8_CALIBRATION = (16, 256)  # windows × tokens quanto's Calibration() sees
+
+
+class QuantizeStep(Strict):
+    """Weight quantization; see tasks/techniques/quantize.py for what each method stores and runs."""
+
+    method: QuantizeMethod
+    # Method-specific settings; setting one that another method owns is refused.
+    group_size: Literal[32, 64, 128, 192] = 64  # torchao_int4_weight_only, gptq (SmolLM2's 576 = 9 × 64)
+    double_quant: bool = True  # bnb_nf4 / bnb_fp4: also quantize the scales
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bnb_nf4 / bnb_fp4 matmuls
+    bits: Literal[2, 3, 4, 8] = 4  # gptq
+    desc_act: bool = False  # gptq: quantize columns by decreasing activation order
+
+    @model_validator(mode="after")
+    def _fields_of_the_method(self) -> QuantizeStep:
+        owners = {
+            "group_size": ("torchao_int4_weight_only", "gptq"),
+            "double_quant": ("bnb_nf4", "bnb_fp4"),
+            "compute_dtype": ("bnb_nf4", "bnb_fp4"),
+            "bits": ("gptq",),
+            "desc_act": ("gptq",),
+        }
+        for name in sorted(name for name in owners if name in self.model_fields_set):
+            if self.method not in owners[name]:
+                raise ValueError(f"{name} applies to {' / '.join(owners[name])}, not {self.method}")
+        return self
+
+
+@register
+class Quantize(Technique):
+    name = "quantize"
+    settings = QuantizeStep
+    role = "quantize"
+
+    def apply(self, model: Any, settings: QuantizeStep, context: Any) -> Applied:
+
+        windows, tokens = QUANTO_W8A8_CALIBRATION
+        calibration = (
+            context.sequences(context.tokenizer, tokens, limit=windows)
+            if settings.method == "quanto_w8a8"
+            else []
+        )
+        with step_arguments(self.name):
+            model, weights_format = quantize_model(model, settings, calibration)
+        return Applied(model, weights_format, NOTES[settings.method])
+
+    def weight_bits(self, settings: QuantizeStep, manifest: VariantManifest) -> int | None:
+        return METHODS[settings.method].bits or settings.bits
+
+    def packages(self, settings: QuantizeStep) -> list[str]:
+        return list(METHODS[settings.method].packages)
+
+    def problems(self, where: str, settings: QuantizeStep, config: Config, cuda_available: bool) -> list[str]:
+        if settings.method == "gptq" and config.target.device != "cuda":
+            return [
+                f"{where}.method: gptq needs a cuda target (gptqmodel's kernels and calibration are CUDA-only; "
+                "its sdist does not build here); use onnx_genai int4 or quanto_w4a16 on cpu"
+            ]
+        return []
+
+    def rows(self) -> list[Row]:
+        return [
+            Row(
+                "`quantize: {method: torch_dynamic_int8}`",
+                (),
+                "per-channel int8 weights, int8 activations per batch, every `nn.Linear` (PyTorch dynamic "
+                "quantization)",
+            ),
+            Row(
+                "`quantize: {method: torchao_int8_weight_only \\| torchao_int8_dynamic}`",
+                (),
+                "torchao W8A16 / W8A8 (per-token dynamic activations), saved and reloaded through transformers' "
+                "`TorchAoConfig`",
+            ),
+            Row(
+                "`quantize: {method: torchao_int4_weight_only}`",
+                ("group_size",),
+                "torchao int4 in groups (`IntxWeightOnlyConfig`); stored one int4 per byte, so **no smaller on "
+                "disk**",
+            ),
+            Row(
+                "`quantize: {method: quanto_w8a16 \\| quanto_w4a16 \\| quanto_w8a8}`",
+                (),
+                "optimum-quanto; W8A8 calibrates activation scales on the calibration split, `lm_head` kept "
+                "float; saved as quanto's state dict + `quantization_map.json`",
+            ),
+            Row(
+                "`quantize: {method: bnb_nf4 \\| bnb_fp4}`",
+                ("double_quant", "compute_dtype"),
+                "bitsandbytes 4-bit (CPU backend), saved through transformers",
+            ),
+            Row("`quantize: {method: bnb_int8}`", (), "bitsandbytes LLM.int8()"),
+            Row(
+                "`quantize: {method: gptq}`",
+                ("bits", "group_size", "desc_act"),
+                "**GPU targets only**: gptqmodel's kernels and calibration need CUDA (its sdist does not build "
+                "here); refused on `target.device: cpu` before any work",
+            ),
+        ]
 
 
 def quantize_model(model: Any, step: QuantizeStep, calibration: list[list[int]]) -> tuple[Any, str]:
     """Quantize a float model in memory; returns (model, weights format)."""
+    from tasks.engines.torch_weights import (
+        QUANTO,
+        TORCH_DYNAMIC,
+        TRANSFORMERS_QUANTIZED,
+        quantize_dynamic_int8,
+    )
+
     if step.method == "torch_dynamic_int8":
         return quantize_dynamic_int8(model), TORCH_DYNAMIC
     if step.method.startswith("quanto_"):
@@ -116,6 +257,13 @@ def quantize_quanto(model: Any, step: QuantizeStep, calibration: list[list[int]]
 def save_quantized(model: Any, weights_format: str, dest: Path) -> None:
     """Write the quantized model with its backend's serialization (config and generation config included)."""
     import torch
+
+    from tasks.engines.torch_weights import (
+        QUANTO_MAP_FILE,
+        TORCH_DYNAMIC,
+        TORCH_DYNAMIC_FILE,
+        TRANSFORMERS_QUANTIZED,
+    )
 
     if weights_format == TRANSFORMERS_QUANTIZED:
         model.save_pretrained(dest)

@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tasks.config import QuantizeMethod, QuantizeStep
 from tasks.engines.torch_weights import load_quantized
-from tasks.techniques.quantize import quantize_model, save_quantized
+from tasks.techniques.quantize import QuantizeMethod, QuantizeStep, quantize_model, save_quantized
 
 # Reloaded logits equal the in-memory quantized model's; quanto W8A8 re-derives its activation quantizers on
 # reload and lands within its own quantization noise (measured 0.009 on the tiny model).

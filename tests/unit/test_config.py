@@ -6,18 +6,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import (
-    Config,
-    DistillStep,
-    OnnxGenAIStep,
-    PruneStep,
-    QuantizeMethod,
-    QuantizeStep,
-    RuntimeSettings,
-    VariantConfig,
-    load_config,
-)
+from tasks.config import Config, RuntimeSettings, VariantConfig, load_config
 from tasks.errors import ConfigError
+from tasks.techniques.distill import DistillStep
+from tasks.techniques.onnx_export import OnnxGenAIStep
+from tasks.techniques.prune import PruneStep
+from tasks.techniques.quantize import QuantizeMethod, QuantizeStep
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = "variants:\n  baseline: {}\n"
