@@ -210,9 +210,10 @@ def defaults_text(settings: type[Strict], names: tuple[str, ...]) -> str:
         if section:
             annotation = settings.model_fields[section].annotation
             model = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
-        default = model.model_fields[leaf].default
-        if default is None or isinstance(default, Strict) or (name == "method" and default is not None):
-            continue
+        setting = model.model_fields[leaf]
+        default = setting.default
+        if setting.is_required() or default is None or isinstance(default, Strict):
+            continue  # no default to show (a method to choose, an optional section)
         value = (
             json.dumps(default)
             if isinstance(default, bool)
