@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import ModelSourceError
+from tasks.techniques.calibration import capture_inputs, mean_square
 
 CONVERTER_DIR = Path(sys.prefix) / "share" / "llama.cpp"  # filled by `make install`
 CONVERTER = CONVERTER_DIR / "convert_hf_to_gguf.py"
-IMATRIX_WINDOW_TOKENS = 256
 BLOCK, SCALE_BYTES = 32, 2  # Q4_0, IQ4_NL and Q8_0: blocks of 32 weights, one float16 scale each
 PLAN_TYPES = {8: "Q8_0"}  # what the mixed-precision plan keeps at 8 bits
 
@@ -131,30 +131,14 @@ def importance_matrix(
     """Per GGUF weight tensor: the mean over calibration tokens of each input column's squared activation."""
     import torch
 
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    hooks = []
-    for module_name, module in model.named_modules():
-        gguf_name = gguf_tensor_name(module_name, model)
-        if gguf_name is None or not isinstance(module, torch.nn.Linear):
-            continue
-
-        def hook(_module: Any, inputs: tuple, _output: Any, name: str = gguf_name) -> None:
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
-            sums[name] = sums.get(name, 0) + (x * x).sum(dim=0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
-
-        hooks.append(module.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            for index, ids in enumerate(windows):
-                model(torch.tensor([ids]))
-                if progress:
-                    progress("imatrix", index + 1, len(windows))
-    finally:
-        for handle in hooks:
-            handle.remove()
-    return {name: (sums[name] / counts[name]).float().tolist() for name in sorted(sums)}
+    modules = {
+        name: module
+        for module_name, module in model.named_modules()
+        if (name := gguf_tensor_name(module_name, model)) is not None and isinstance(module, torch.nn.Linear)
+    }
+    report = (lambda done, total: progress("imatrix", done, total)) if progress else None
+    means = capture_inputs(model, modules, windows, mean_square, report).means()
+    return {name: means[name].float().tolist() for name in sorted(means)}
 
 
 def gguf_tensor_name(module_name: str, model: Any) -> str | None:

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from tasks.errors import LlmoptError, ModelSourceError
 from tasks.schema import Strict
 from tasks.techniques import gguf
+from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.mixed_precision import MixedPrecision
 from tasks.techniques.registry import (
     Exported,
@@ -176,9 +177,7 @@ def _gguf_export(
         caveat = gguf.convert_to_gguf(source, f32)
         imatrix, note = None, f"llama.cpp {step.type}"
         if step.imatrix:
-            windows = context.sequences(
-                context.tokenizer, gguf.IMATRIX_WINDOW_TOKENS, limit=step.imatrix_windows
-            )
+            windows = context.sequences(context.tokenizer, WINDOW_TOKENS, limit=step.imatrix_windows)
             imatrix = gguf.importance_matrix(model, windows, context.report)
             note += f", importance matrix of {len(imatrix)} tensors from {sum(map(len, windows)):,} calibration tokens"
         types = None

@@ -20,38 +20,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tasks.techniques.calibration import capture_inputs, unit_token_gram
+
 DAMPING = 0.01  # share of the mean Hessian diagonal added to it (the paper's default)
-GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS = 32, 256  # calibration text the Hessians are collected on
 
 
-def hessians(model: Any, modules: dict[str, Any], windows: list[list[int]]) -> dict[str, Any]:
+def hessians(
+    model: Any,
+    modules: dict[str, Any],
+    windows: list[list[int]],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
     """XᵀX / tokens of every module's input (each token scaled to unit length) over the calibration windows."""
-    import torch
-
-    sums = {name: None for name in modules}
-    tokens = {"n": 0}
-    handles = []
-
-    def hook(name: str) -> Callable[..., None]:
-        def record(_module: Any, inputs: tuple[Any, ...], _output: Any) -> None:
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
-            x = x / x.norm(dim=1, keepdim=True).clamp(min=1e-12)  # every token counts alike (see above)
-            product = x.T @ x
-            sums[name] = product if sums[name] is None else sums[name] + product
-
-        return record
-
-    for name, module in modules.items():
-        handles.append(module.register_forward_hook(hook(name)))
-    try:
-        with torch.no_grad():
-            for ids in windows:
-                model(input_ids=torch.tensor([ids]))
-                tokens["n"] += len(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: (h / tokens["n"]).float() for name, h in sums.items()}
+    means = capture_inputs(model, modules, windows, unit_token_gram, progress).means()
+    return {name: hessian.float() for name, hessian in means.items()}
 
 
 def gptq_round(weight: Any, hessian: Any, bits: int = 4, block: int = 32) -> Any:
@@ -103,7 +85,7 @@ def apply_gptq(
     all_modules = dict(model.named_modules())
     chosen = [m for m in matrices if m.node not in skip]
     modules = {name: all_modules[name] for m in chosen for name in m.modules}
-    found = hessians(model, modules, windows)
+    found = hessians(model, modules, windows, (lambda i, n: progress("hessians", i, n)) if progress else None)
     with torch.no_grad():
         for i, (name, module) in enumerate(modules.items()):
             if progress is not None:

@@ -9,13 +9,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from tasks.errors import ModelSourceError
 from tasks.failpoints import failpoint
 from tasks.schema import Strict
+from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.mixed_precision import MixedPrecision
 from tasks.techniques.registry import (
     Exported,
@@ -46,12 +47,16 @@ class OnnxGenAIStep(Strict):
     # int4 only: how weights are rounded. rtn: the builder's round-to-nearest; gptq: GPTQ on the calibration split
     # onto the same grid (symmetric only), which the builder then stores as is (tasks/techniques/gptq.py)
     rounding: Literal["rtn", "gptq"] = "rtn"
+    # rounding gptq: calibration windows (of 256 tokens) the Hessians are collected on
+    gptq_windows: Annotated[int, Field(ge=1, le=4096)] = 32
 
     @model_validator(mode="after")
     def _int4_options(self) -> OnnxGenAIStep:
         for name in ("mixed_precision", "rounding"):
             if name in self.model_fields_set and self.precision != "int4":
                 raise ValueError(f"{name} applies to precision int4, not {self.precision}")
+        if "gptq_windows" in self.model_fields_set and self.rounding != "gptq":
+            raise ValueError("gptq_windows applies only with rounding: gptq")
         if self.rounding == "gptq" and not self.symmetric:
             raise ValueError("rounding: gptq rounds onto the symmetric grid; leave symmetric at true")
         return self
@@ -101,8 +106,8 @@ class OnnxGenAI(Technique):
             ),
             Row(
                 "`onnx_genai: {precision: int4, rounding: gptq}`",
-                ("rounding",),
-                "GPTQ on CPU: 32 calibration windows of 256 tokens give each matrix's input Hessian (every token "
+                ("rounding", "gptq_windows"),
+                "GPTQ on CPU: `gptq_windows` calibration windows of 256 tokens give each matrix's input Hessian (every token "
                 "scaled to unit length, so the attention-sink positions, whose activations are hundreds of times "
                 "the others', do not dominate it); each block of 32 inputs keeps onnxruntime's own symmetric scale "
                 "and its largest element level −8, so the rounded float weights are a fixed point of the builder's "
@@ -143,10 +148,10 @@ def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: Any) -> An
 
 def _gptq_rounding(model: Any, export: OnnxGenAIStep, plan: Any, context: Any) -> str:
     """GPTQ-round (in place, onto the export's int4 grid) every matrix the export stores at int4."""
-    from tasks.techniques.gptq import GPTQ_WINDOW_TOKENS, GPTQ_WINDOWS, apply_gptq
+    from tasks.techniques.gptq import apply_gptq
     from tasks.techniques.mixed_precision import export_matrices
 
-    windows = context.sequences(context.tokenizer, GPTQ_WINDOW_TOKENS, limit=GPTQ_WINDOWS)
+    windows = context.sequences(context.tokenizer, WINDOW_TOKENS, limit=export.gptq_windows)
     with step_arguments("onnx_genai"):
         matrices = export_matrices(model)
     keep = set(plan.int8_nodes) if plan else set()

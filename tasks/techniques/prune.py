@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from tasks.schema import Strict
+from tasks.techniques.calibration import WINDOW_TOKENS, capture_inputs, mean_absolute
 from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
 
 UNSTRUCTURED_NOTE = (
@@ -42,6 +43,8 @@ class PruneStep(Strict):
     importance: Literal["magnitude", "activation"] = (
         "activation"  # structured: activations on calibration text
     )
+    # structured with activation importance: calibration windows (of 256 tokens) the activations are measured on
+    calibration_windows: Annotated[int, Field(ge=1, le=4096)] = 16
     heal_steps: Annotated[int, Field(ge=0, le=100_000)] = 0  # fine-tune on the calibration split afterwards
     heal_lr: Annotated[float, Field(gt=0.0, le=1.0)] = 5e-5
 
@@ -55,12 +58,14 @@ class PruneStep(Strict):
         foreign = [name for name in own[other] if name in self.model_fields_set]
         if foreign:
             raise ValueError(f"{foreign[0]} does not apply to method {self.method}")
+        if "calibration_windows" in self.model_fields_set and (self.method, self.importance) != (
+            "structured",
+            "activation",
+        ):
+            raise ValueError("calibration_windows applies to method structured with importance activation")
         if self.method == "structured" and not (self.mlp_fraction or self.head_groups):
             raise ValueError("structured pruning needs mlp_fraction > 0 or head_groups > 0")
         return self
-
-
-CALIBRATION = (16, 256)  # windows × tokens of calibration text for activation importance
 
 
 @register
@@ -77,16 +82,19 @@ class Prune(Technique):
             if cfg.method == "unstructured":
                 report = prune_unstructured(model, cfg.sparsity, cfg.scope)
             else:
-                windows, tokens = CALIBRATION
                 activation = cfg.importance == "activation"
-                calibration = context.sequences(tokenizer, tokens, limit=windows) if activation else None
+                calibration = (
+                    context.sequences(tokenizer, WINDOW_TOKENS, limit=cfg.calibration_windows)
+                    if activation
+                    else None
+                )
                 report = prune_structured(
                     model, cfg.mlp_fraction, cfg.head_groups, cfg.importance, calibration
                 )
         note = f"{report.method}: {report.parameters_before:,} → {report.parameters_after:,} parameters, "
         note += f"{report.sparsity:.1%} zeros in decoder matrices. {report.note}"
         if cfg.heal_steps:
-            steps, batches = cfg.heal_steps, context.sequences(tokenizer, CALIBRATION[1])
+            steps, batches = cfg.heal_steps, context.sequences(tokenizer, WINDOW_TOKENS)
             losses = heal(model, batches, steps, cfg.heal_lr, lambda i, _: context.report("heal", i, steps))
             context.history["heal_loss"] = losses
             note += f" Healed {steps} steps: loss {losses[0]:.3f} → {losses[-1]:.3f}."
@@ -102,7 +110,7 @@ class Prune(Technique):
             ),
             Row(
                 "`prune: {method: structured}`",
-                ("mlp_fraction", "head_groups", "importance", "heal_steps", "heal_lr"),
+                ("mlp_fraction", "head_groups", "importance", "calibration_windows", "heal_steps", "heal_lr"),
                 "physically removes the least important MLP neurons and grouped-query attention groups (a KV head "
                 "with its query heads), the same number in every layer, so the config stays a valid Llama that "
                 "`from_pretrained` reloads; importance = mean \\|activation\\| on the calibration split (or weight "
@@ -237,40 +245,19 @@ def magnitude_importance(model: Any) -> tuple[list[Any], list[Any]]:
 
 def activation_importance(model: Any, calibration: list[list[int]]) -> tuple[list[Any], list[Any]]:
     """Per layer: mean |input| of down_proj per neuron and of o_proj per KV group, over the calibration tokens."""
-    import torch
-
     layers = model.model.layers
-    sums: dict[str, list[Any]] = {"mlp": [0.0] * len(layers), "attn": [0.0] * len(layers)}
-    hooks = []
-    for index, layer in enumerate(layers):
-        hooks.append(layer.mlp.down_proj.register_forward_pre_hook(_abs_sum_hook(sums["mlp"], index)))
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(_abs_sum_hook(sums["attn"], index)))
-    try:
-        model.eval()
-        with torch.no_grad():
-            for ids in calibration:
-                model(input_ids=torch.tensor([ids], device=model.device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    tokens = sum(len(ids) for ids in calibration)
-    pairs = zip(sums["attn"], layers, strict=True)
-    groups = [_per_group(total.unsqueeze(1), layer.self_attn).sum(1) for total, layer in pairs]
-    return [s / tokens for s in sums["mlp"]], [g / tokens for g in groups]
+    modules = {f"{index}.mlp": layer.mlp.down_proj for index, layer in enumerate(layers)}
+    modules |= {f"{index}.attn": layer.self_attn.o_proj for index, layer in enumerate(layers)}
+    found = capture_inputs(model, modules, calibration, mean_absolute)
+    neurons = [found.sums[f"{index}.mlp"] / found.tokens for index in range(len(layers))]
+    pairs = [(found.sums[f"{index}.attn"], layer.self_attn) for index, layer in enumerate(layers)]
+    groups = [_per_group(total.unsqueeze(1), attn).sum(1) / found.tokens for total, attn in pairs]
+    return neurons, groups
 
 
 def count_parameters(model: Any) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def _abs_sum_hook(totals: list[Any], index: int) -> Callable[..., None]:
-    """A forward pre-hook adding the layer input's |value| summed over tokens to `totals[index]`."""
-
-    def hook(module: Any, inputs: tuple[Any, ...]) -> None:
-        totals[index] = totals[index] + inputs[0].abs().flatten(0, -2).sum(0)
-
-    return hook
 
 
 def _per_group(rows: Any, attn: Any) -> Any:

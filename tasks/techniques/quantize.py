@@ -12,11 +12,12 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from tasks.schema import Strict
+from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
 
 if TYPE_CHECKING:
@@ -70,7 +71,6 @@ METHODS = {
 NOTES = {name: method.note for name, method in METHODS.items()}
 
 QuantizeMethod = Literal[tuple(METHODS)]  # type: ignore[valid-type]
-QUANTO_W8A8_CALIBRATION = (16, 256)  # windows × tokens quanto's Calibration() sees
 
 
 class QuantizeStep(Strict):
@@ -83,6 +83,8 @@ class QuantizeStep(Strict):
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bnb_nf4 / bnb_fp4 matmuls
     bits: Literal[2, 3, 4, 8] = 4  # gptq
     desc_act: bool = False  # gptq: quantize columns by decreasing activation order
+    # quanto_w8a8: calibration windows (of 256 tokens) its activation scales are set on
+    calibration_windows: Annotated[int, Field(ge=1, le=4096)] = 16
 
     @model_validator(mode="after")
     def _fields_of_the_method(self) -> QuantizeStep:
@@ -92,6 +94,7 @@ class QuantizeStep(Strict):
             "compute_dtype": ("bnb_nf4", "bnb_fp4"),
             "bits": ("gptq",),
             "desc_act": ("gptq",),
+            "calibration_windows": ("quanto_w8a8",),
         }
         for name in sorted(name for name in owners if name in self.model_fields_set):
             if self.method not in owners[name]:
@@ -107,9 +110,8 @@ class Quantize(Technique):
 
     def apply(self, model: Any, settings: QuantizeStep, context: Any) -> Applied:
 
-        windows, tokens = QUANTO_W8A8_CALIBRATION
         calibration = (
-            context.sequences(context.tokenizer, tokens, limit=windows)
+            context.sequences(context.tokenizer, WINDOW_TOKENS, limit=settings.calibration_windows)
             if settings.method == "quanto_w8a8"
             else []
         )
@@ -153,8 +155,9 @@ class Quantize(Technique):
             ),
             Row(
                 "`quantize: {method: quanto_w8a16 \\| quanto_w4a16 \\| quanto_w8a8}`",
-                (),
-                "optimum-quanto; W8A8 calibrates activation scales on the calibration split, `lm_head` kept "
+                ("calibration_windows",),
+                "optimum-quanto; W8A8 calibrates activation scales on `calibration_windows` windows of the "
+                "calibration split, `lm_head` kept "
                 "float; saved as quanto's state dict + `quantization_map.json`",
             ),
             Row(
