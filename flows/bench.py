@@ -35,7 +35,7 @@ def bench_flow(config: Config, root: Path, trials: int, compare: Path | None = N
     base, data = prepare_inputs(config, root)
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash, "trials": str(trials)}
-    with parent_run(experiment_id, config, lineage, fingerprint, kind="bench") as parent_id:
+    with parent_run(experiment_id, config, lineage, fingerprint, kind="bench") as run:
         measured = measure_variants(config, root, base, data, trials, fingerprint)
         spread = trial_spread(measured.trials)
         out = workdir(config, root) / "bench"
@@ -43,6 +43,6 @@ def bench_flow(config: Config, root: Path, trials: int, compare: Path | None = N
         files = write_bench_files(out, fingerprint, measured.bandwidth_gbs, measured.trials, spread)
         metrics = spread_metrics(spread)
         board, _ = rank_and_report(
-            config, measured, out, (experiment_id, parent_id), files, metrics, fingerprint
+            config, measured, out, run=run, extra_reports=tuple(files), run_metrics=metrics
         )
     return BenchOutcome(board, spread, out, previous)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.config import Config
-from tasks.store import FolderStore
+from tasks.shared_store import FolderStore
 
 BENCHMARK_RESOURCE = "benchmark"  # Dask worker resource of the machines benchmarks may run on (1 per machine)
 
@@ -122,3 +122,30 @@ def share_prefect_api() -> None:
     server = SubprocessASGIServer()  # one per process: the flow's client uses this same instance
     server.start()
     os.environ["PREFECT_API_URL"] = server.api_url  # inherited by the worker processes started after this
+
+
+def on_benchmark_worker(future, patience_s: float = 60):
+    """The result of a task routed to benchmark workers (its error, if it failed). On Dask, while no worker offers
+    the `benchmark` resource (none started, or the only one was lost), a warning every `patience_s`: the task
+    waits for one."""
+    from prefect import get_run_logger
+
+    wrapped = getattr(future, "wrapped_future", None)
+    if not hasattr(wrapped, "client"):  # this process's thread: nothing to wait for but the task itself
+        return future.result()
+    waited = 0.0
+    while True:
+        try:
+            wrapped.result(timeout=patience_s)
+            break
+        except TimeoutError:
+            waited += patience_s
+        except Exception:  # the task's own error: result() below raises it, as Prefect reports it
+            break
+        workers = wrapped.client.scheduler_info()["workers"].values()
+        if not any(BENCHMARK_RESOURCE in worker.get("resources", {}) for worker in workers):
+            get_run_logger().warning(
+                f"waiting {waited:.0f} s: no worker offers the `{BENCHMARK_RESOURCE}` resource (start one: "
+                "DASK_RESOURCES=benchmark=1 infra/dask-worker.sh, one per benchmark machine)"
+            )
+    return future.result()

@@ -13,8 +13,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.retries import IO_RETRIES
 from flows.stages import (
-    IO_RETRIES,
     Measurements,
     benchmark_fingerprint,
     duel,
@@ -27,12 +27,15 @@ from tasks.config import Config
 from tasks.decide.gate import Champion, Verdict, judge
 from tasks.decide.history import move_production, record_refusal
 from tasks.decide.registry import (
+    CANDIDATE,
+    PRODUCTION,
     RegisteredVersion,
     Registration,
     production_version,
     register_variant,
     registered_version,
     set_candidate,
+    version_label,
 )
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
@@ -42,6 +45,7 @@ from tasks.report.run_report import ReportContext, write_run_report
 from tasks.report.timeline import Span, write_timeline
 from tasks.report.timings import StageClock
 from tasks.report.tracking import (
+    ParentRun,
     configure_tracking,
     experiment_url,
     log_run_report,
@@ -68,6 +72,18 @@ class PipelineOutcome:
         return f"production unchanged: {self.verdict.reason}"
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run report states about the run itself: the project, the benchmark machine's fingerprint, the
+    stage clock, when it started (UTC, ISO) and its MLflow parent run."""
+
+    project: str
+    fingerprint: dict
+    clock: StageClock
+    started: str
+    run: ParentRun
+
+
 @task(name="register", cache_policy=NO_CACHE, **IO_RETRIES)
 def register_task(
     config: Config, folder: Path, manifest: VariantManifest, run_id: str, tags: dict, note: str
@@ -92,32 +108,23 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     fingerprint = benchmark_fingerprint(config)
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
-    with parent_run(experiment_id, config, lineage, fingerprint) as parent_id:
+    with parent_run(experiment_id, config, lineage, fingerprint) as run:
         production = production_version(config.project.name)
-        registered = {f"production-v{production.version}": production} if production else {}
+        registered = {version_label(PRODUCTION, production.version): production} if production else {}
         measured = measure_variants(config, root, base, data, 1, fingerprint, registered, clock)
         reports = workdir(config, root) / "reports"
         with clock.stage("rank"):
-            board, runs = rank_and_report(
-                config, measured, reports, (experiment_id, parent_id), [], {}, fingerprint
-            )
+            board, runs = rank_and_report(config, measured, reports, run=run)
         with clock.stage("duel"):
             prompt = read_split(data.folder, "evaluation")[0]
             verdict = judge_winner(config, measured, board, production, prompt)
         with clock.stage("register"):
             registration = register_winner(config, measured, board, production, runs, fingerprint)
-            actor = (f"run {parent_id}", str(fingerprint["hash"]))
+            actor = (f"run {run.run_id}", str(fingerprint["hash"]))
             promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
         outcome = PipelineOutcome(board, registration, verdict, promoted)
-        facts = (config.project.name, fingerprint, clock, started)
-        highlights = report_run(
-            outcome,
-            champion_of(measured, production),
-            facts,
-            reports,
-            (experiment_id, parent_id),
-            measured.spans,
-        )
+        facts = RunFacts(config.project.name, fingerprint, clock, started, run)
+        highlights = report_run(outcome, champion_of(measured, production), facts, reports, measured.spans)
     return _finish(replace(outcome, highlights=highlights))
 
 
@@ -131,32 +138,28 @@ def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
     experiment_id = configure_tracking(config.tracking, root)
     challenger = registered_version(config.project.name, version)
     production = production_version(config.project.name)
-    registered = {f"candidate-v{version}": challenger}
-    registered |= {f"production-v{production.version}": production} if production else {}
+    registered = {version_label(CANDIDATE, version): challenger}
+    registered |= {version_label(PRODUCTION, production.version): production} if production else {}
     only_baseline = config.model_copy(
         update={"variants": {config.select.baseline: config.variants[config.select.baseline]}}
     )
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash, "challenger": version}
-    with parent_run(experiment_id, only_baseline, lineage, fingerprint, kind="promote") as parent_id:
+    with parent_run(experiment_id, only_baseline, lineage, fingerprint, kind="promote") as run:
         measured = measure_variants(only_baseline, root, base, data, 1, fingerprint, registered, clock)
         out = workdir(config, root) / "promote"
         with clock.stage("rank"):
-            board, _ = rank_and_report(
-                only_baseline, measured, out, (experiment_id, parent_id), [], {}, fingerprint
-            )
-            board = _judged_alone(board, measured.registered[f"candidate-v{version}"], version)
+            board, _ = rank_and_report(only_baseline, measured, out, run=run)
+            board = _judged_alone(board, measured.registered[version_label(CANDIDATE, version)], version)
         with clock.stage("duel"):
             prompt = read_split(data.folder, "evaluation")[0]
             verdict = judge_winner(config, measured, board, production, prompt)
         with clock.stage("register"):
             registration = Registration(config.project.name, version, reused=True)
-            actor = (f"llmopt promote (run {parent_id})", str(fingerprint["hash"]))
+            actor = (f"llmopt promote (run {run.run_id})", str(fingerprint["hash"]))
             promoted = apply_verdict(config.project.name, verdict, production, registration, actor)
         outcome = PipelineOutcome(board, registration, verdict, promoted, registered_now=False)
-        facts = (config.project.name, fingerprint, clock, started)
-        highlights = report_run(
-            outcome, champion_of(measured, production), facts, out, (experiment_id, parent_id), measured.spans
-        )
+        facts = RunFacts(config.project.name, fingerprint, clock, started, run)
+        highlights = report_run(outcome, champion_of(measured, production), facts, out, measured.spans)
     return _finish(replace(outcome, highlights=highlights))
 
 
@@ -170,7 +173,10 @@ def register_winner(
 ) -> Registration | None:
     """The winner as the `candidate` version: production itself when it stayed the best (nothing new is
     registered), else the winner's variant registered (identical bytes reuse their version); None: no winner."""
-    if production is not None and board.winner == measured.registered[f"production-v{production.version}"]:
+    if (
+        production is not None
+        and board.winner == measured.registered[version_label(PRODUCTION, production.version)]
+    ):
         registration = Registration(config.project.name, production.version, reused=True)
     elif board.winner is not None:
         tags = {
@@ -192,34 +198,31 @@ def champion_of(measured: Measurements, production: RegisteredVersion | None) ->
     """(production version, the name it was measured under in this run), if there is a production version."""
     if production is None:
         return None
-    return production.version, measured.registered[f"production-v{production.version}"]
+    return production.version, measured.registered[version_label(PRODUCTION, production.version)]
 
 
 def report_run(
     outcome: PipelineOutcome,
     champion: tuple[str, str] | None,
-    facts: tuple[str, dict, StageClock, str],
+    facts: RunFacts,
     folder: Path,
-    run_ids: tuple[str, str],
     spans: list[Span],
 ) -> tuple[str, ...]:
     """Write the run report (HTML + markdown) and the task timeline beside the leaderboard, log them and the
-    stage timings on the parent run; return the lines the terminal shows before the verdict. `facts`: project,
-    fingerprint, clock, start."""
-    project, fingerprint, clock, started = facts
-    experiment_id, parent_id = run_ids
+    stage timings on the parent run; return the lines the terminal shows before the verdict."""
+    clock, parent_id = facts.clock, facts.run.run_id
     registration = outcome.registration
     timeline: list[Path] = []
     with contextlib.suppress(OSError, ValueError):  # the timeline is a picture of the run, not its record
         timeline = write_timeline(spans, folder)
     context = ReportContext(
-        project,
-        started,
+        facts.project,
+        facts.started,
         champion,
         outcome.verdict,
         outcome.promoted,
         registration.version if registration else None,
-        fingerprint,
+        facts.fingerprint,
         clock.line(),
         [folder / "tradeoff.png", folder / "speed.png"] + [p for p in timeline if p.suffix == ".png"],
     )
@@ -233,7 +236,7 @@ def report_run(
     return (
         f"Report: {files[0]} (also in MLflow, run {parent_id[:8]}, reports/)",
         f"Time: {clock.line()}",
-        f"Compare in the MLflow UI ({how}): {experiment_url(ui, experiment_id)}",
+        f"Compare in the MLflow UI ({how}): {experiment_url(ui, facts.run.experiment_id)}",
     )
 
 
@@ -260,7 +263,7 @@ def judge_winner(
     """The board's winner against production, after a duel of interleaved trials when they differ."""
     champion = None
     if production is not None:
-        name = measured.registered[f"production-v{production.version}"]
+        name = measured.registered[version_label(PRODUCTION, production.version)]
         if board.winner is not None and board.winner != name:
             duel(config, measured, (name, board.winner), prompt_text)
         score = next((row.score for row in board.rows if row.score.variant == name), None)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.config import Config, load_config
+from tasks.config import Config
 from tasks.errors import ConfigError, LlmoptError, ServiceError
 from tasks.failpoints import failpoint
+from tasks.params_file import load_config
 
 FLOW_NAME = "llmopt-scheduled"
 PICK_UP_S = 120  # a run on a work pool that no worker has started after this long is reported, not waited on

@@ -8,15 +8,21 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
 
-from flows.cluster import BENCHMARK_RESOURCE, Stored, Workspace, on_benchmark_workers, workspace
+from flows.cluster import (
+    BENCHMARK_RESOURCE,
+    Stored,
+    Workspace,
+    on_benchmark_worker,
+    on_benchmark_workers,
+    workspace,
+)
 from flows.progress import progress_bar
+from flows.retries import IO_RETRIES
 from tasks.config import Config, VariantConfig
-from tasks.decide.registry import RegisteredVersion, fetch_version, mlflow_refused
+from tasks.decide.registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
-from tasks.errors import ComparisonError, LlmoptError
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
@@ -28,9 +34,10 @@ from tasks.measure.benchmark import (
 )
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
 from tasks.measure.fingerprint import git_commit, machine_fingerprint
-from tasks.report.timeline import Span, overlapping, timed
+from tasks.report.leaderboard_files import write_reports
+from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
-from tasks.report.tracking import log_reports, log_variant_run, write_reports
+from tasks.report.tracking import ParentRun, log_reports, log_variant_run
 from tasks.techniques.optimize import build_variant
 
 
@@ -145,72 +152,12 @@ def bandwidth_task(config: Config) -> tuple[float, Span]:
     return bandwidth, span[0]
 
 
-def on_benchmark_worker(future, patience_s: float = 60):
-    """The result of a task routed to benchmark workers (its error, if it failed). On Dask, while no worker offers
-    the `benchmark` resource (none started, or the only one was lost), a warning every `patience_s`: the task
-    waits for one."""
-    wrapped = getattr(future, "wrapped_future", None)
-    if not hasattr(wrapped, "client"):  # this process's thread: nothing to wait for but the task itself
-        return future.result()
-    waited = 0.0
-    while True:
-        try:
-            wrapped.result(timeout=patience_s)
-            break
-        except TimeoutError:
-            waited += patience_s
-        except Exception:  # the task's own error: result() below raises it, as Prefect reports it
-            break
-        workers = wrapped.client.scheduler_info()["workers"].values()
-        if not any(BENCHMARK_RESOURCE in worker.get("resources", {}) for worker in workers):
-            get_run_logger().warning(
-                f"waiting {waited:.0f} s: no worker offers the `{BENCHMARK_RESOURCE}` resource (start one: "
-                "DASK_RESOURCES=benchmark=1 infra/dask-worker.sh, one per benchmark machine)"
-            )
-    return future.result()
-
-
 def benchmark_fingerprint(config: Config) -> dict:
     """The fingerprint of the machine benchmarks run on (this one, or a benchmark worker of the cluster), with
     this checkout's git commit (a worker's working folder may be anywhere)."""
     with on_benchmark_workers(config):
         fingerprint = on_benchmark_worker(fingerprint_task.submit(config))
     return {**fingerprint, "git_commit": git_commit(Path.cwd())}
-
-
-def transient_failure(task, task_run, state) -> bool:
-    """Retry condition for registry and artifact I/O: a network, database or disk hiccup is retried (with
-    backoff); a clear user error (LlmoptError: no such version, corrupted bytes), a request MLflow refuses (4xx:
-    not found, already exists, bad parameter), a missing file or a denied permission, or a bug is not."""
-    try:
-        state.result()
-    except Exception as exc:
-        return is_transient(exc)
-    return False
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether the same call may well succeed when tried again a few seconds later."""
-    import httpx
-    from mlflow.exceptions import MlflowException
-    from sqlalchemy.exc import OperationalError
-
-    if isinstance(exc, (LlmoptError, *PERMANENT_OS_ERRORS)):
-        return False
-    if isinstance(exc, MlflowException):
-        return not mlflow_refused(exc)
-    return isinstance(exc, OSError | OperationalError | httpx.TransportError)
-
-
-# OSErrors that no retry clears: the path or the permission is wrong, not the disk or the network
-PERMANENT_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
-
-
-IO_RETRIES = {  # 3 more tries, 2 s, 4 s, 8 s apart
-    "retries": 3,
-    "retry_delay_seconds": exponential_backoff(backoff_factor=2),
-    "retry_condition_fn": transient_failure,
-}
 
 
 @task(name="fetch-production", cache_policy=NO_CACHE, **IO_RETRIES)
@@ -228,7 +175,9 @@ class Measurements:
     trials: dict[str, list[BenchmarkResult]]
     bandwidth_gbs: float
     folders: dict[str, Stored]  # on the flow's machine, and in the shared store
-    registered: dict[str, str]  # registered model (e.g. "production-v3") → the name it was measured under
+    registered: dict[
+        str, str
+    ]  # registered version (its `version_label`, e.g. "production-v3") → the name it was measured under
     fingerprint: dict  # of the machine every benchmark ran on
     spans: list[Span]  # every task of the run: what ran where, when
     space: Workspace  # where the folders' bytes are
@@ -300,30 +249,13 @@ def measure_variants(
                 logger.info(
                     f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, {result.decode_tok_s:.1f} tok/s"
                 )
-    _same_machine(fingerprint, spans)
+    check_benchmarks_clean(str(fingerprint["hash"]), spans, BENCHMARK_RESOURCE)
     for span in spans:
         clock.add(span.kind if span.kind != "bandwidth" else "benchmark", span.seconds)
     evaluated = {name: e.evaluation for name, e in done.items()}
     return Measurements(
         manifests, evaluated, results, bandwidth, folders, stand_ins, fingerprint, spans, space
     )
-
-
-def _same_machine(fingerprint: dict, spans: list[Span]) -> None:
-    """Every benchmark of a run must run on the kind of machine the run's fingerprint names, and no other task of
-    the run beside it (the barrier and one-at-a-time submission make that so; this checks they did)."""
-    machines = {span.machine for span in spans if span.kind in ("benchmark", "bandwidth")}
-    if machines - {str(fingerprint["hash"])}:
-        raise ComparisonError(
-            f"benchmarks ran on machines with different fingerprints ({', '.join(sorted(machines))}): "
-            f"give the `{BENCHMARK_RESOURCE}` resource to workers of one kind of machine only"
-        )
-    if clash := overlapping(spans):
-        bench, other = clash[0]
-        raise ComparisonError(
-            f"{other.kind} {other.name} ran on {other.host} during the benchmark of {bench.name}: its figures "
-            "are not clean"
-        )
 
 
 def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_text: str) -> None:
@@ -335,7 +267,7 @@ def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_
                 result, span = on_benchmark_worker(benchmark_task.submit(*args))
                 measured.trials[name].append(result)
                 measured.spans.append(span)
-    _same_machine(measured.fingerprint, measured.spans)
+    check_benchmarks_clean(str(measured.fingerprint["hash"]), measured.spans, BENCHMARK_RESOURCE)
 
 
 def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
@@ -353,29 +285,34 @@ def rank_and_report(
     config: Config,
     measured: Measurements,
     out_dir: Path,
-    run_ids: tuple[str, str],
-    extra_reports: list[Path],
-    run_metrics: dict[str, float],
-    fingerprint: dict,
+    *,
+    run: ParentRun,
+    extra_reports: tuple[Path, ...] = (),
+    run_metrics: dict[str, float] | None = None,
 ) -> tuple[Leaderboard, dict[str, str]]:
     """Validate the metrics table (Great Expectations), rank, write the reports into `out_dir` and log one
     nested MLflow run per ranked model under the parent run; returns the leaderboard and the run ids. A registered
-    version on another tokenizer cannot be paired with this run's baseline and is left out of the ranking."""
-    experiment_id, parent_id = run_ids
+    version on another tokenizer cannot be paired with this run's baseline and is left out of the ranking.
+    `extra_reports` are logged beside the leaderboard's files, `run_metrics` on the parent run."""
     m = measured
     fetched = set(m.registered.values()) - set(config.variants)
     names = [n for n in m.manifests if n not in fetched or paired_with_baseline(config, m, n)]
     scores = [variant_score(n, m.manifests[n], m.evaluations[n], m.chosen(n), m.bandwidth_gbs) for n in names]
     validate_metrics_table([asdict(score) for score in scores], names)
     board = build_leaderboard(scores, config.select)
-    reports = write_reports(board, out_dir) + extra_reports
-    fingerprint_hash = str(fingerprint["hash"])  # every model of the run was measured on this machine
+    reports = write_reports(board, out_dir) + list(extra_reports)
+    fingerprint_hash = str(m.fingerprint["hash"])  # every model of the run was measured on this machine
     runs = {
         name: log_variant_run(
-            experiment_id, parent_id, m.manifests[name], m.evaluations[name], m.chosen(name), fingerprint_hash
+            run.experiment_id,
+            run.run_id,
+            m.manifests[name],
+            m.evaluations[name],
+            m.chosen(name),
+            fingerprint_hash,
         )
         for name in names
     }
-    metrics = {"memory_read_bandwidth_gbs": m.bandwidth_gbs, **run_metrics}
-    log_reports(parent_id, board, reports, runs, metrics)
+    metrics = {"memory_read_bandwidth_gbs": m.bandwidth_gbs, **(run_metrics or {})}
+    log_reports(run.run_id, board, reports, runs, metrics)
     return board, runs

@@ -4,7 +4,7 @@
 # background (services.tracking_stack: true); by hand:  PGDATA=/path PGPORT=5433 infra/postgres.sh
 # It listens on 127.0.0.1 only (no Unix socket) and asks for a password (scram-sha-256): the superuser's is
 # generated on first start into $PGPASSWORD_FILE (default $PGDATA.password, mode 600). A real deployment uses a
-# managed PostgreSQL and passes its URL to infra/mlflow-server.sh (README, "The tracking stack").
+# managed PostgreSQL and passes its URL to infra/mlflow-server.sh (docs/operations.md, "The tracking stack").
 set -euo pipefail
 : "${PGDATA:?set PGDATA: the data folder of the cluster}"
 : "${PGPORT:=5433}" "${PGPASSWORD_FILE:=$PGDATA.password}"

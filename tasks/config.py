@@ -1,20 +1,15 @@
-"""The typed configuration: params.yaml validated once into a Config object."""
+"""The typed configuration: params.yaml validated once into a Config object. One job, the schema: every section
+with its defaults and the rules between settings (reading the file and its errors: tasks/params_file.py)."""
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
-import types
-import typing
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
+from pydantic import Field, create_model, model_validator
 
-from tasks.errors import ConfigError
-from tasks.schema import Dtype, Strict
+from tasks.schema import Dtype, Former, Strict
 from tasks.techniques import registry
 
 
@@ -153,7 +148,28 @@ class RuntimeSettings(Strict):
     kv_cache_bits: Literal[2, 4] = 4  # kv_cache: quantized (quanto backend)
     sliding_window: Annotated[int, Field(ge=8)] | None = None  # attend to (and cache) only the last N tokens
     threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # None: target.threads
-    engine: Literal["torch", "deepspeed", "tensorrt_llm"] = "torch"  # torch: eager transformers
+    # The torch engine's inference wrapper: none (eager transformers) or DeepSpeed's init_inference.
+    wrapper: Literal["none", "deepspeed"] = "none"
+    FORMER: ClassVar[dict[str, Former]] = {
+        "engine": Former(
+            "wrapper",
+            {"torch": "none", "deepspeed": "deepspeed"},
+            # the one place TensorRT-LLM is named: llmopt has never built its engines
+            {
+                "tensorrt_llm": "is not built by llmopt (TensorRT-LLM compiles its own engine on an NVIDIA GPU); "
+                "on cpu use onnx_genai or llama_cpp steps"
+            },
+        )
+    }
+
+    def recipe_data(self) -> dict[str, Any]:
+        """The wrapper is recorded under its former name and values, so recipe hashes stay as they were."""
+        return _former_wrapper(super().recipe_data())
+
+    def identity(self) -> dict[str, Any]:
+        """Every setting resolved, as the build keys and model hashes have always read them (the wrapper under
+        its former name), so a variant built before the rename is still found."""
+        return _former_wrapper(self.model_dump(mode="json"))
 
     @model_validator(mode="after")
     def _settings_agree(self) -> RuntimeSettings:
@@ -165,7 +181,7 @@ class RuntimeSettings(Strict):
 
     def torch_only(self) -> list[str]:
         """Settings that the torch engines honour and ONNX Runtime GenAI does not."""
-        names = ("attention", "kv_cache", "kv_cache_bits", "sliding_window", "engine")
+        names = ("attention", "kv_cache", "kv_cache_bits", "sliding_window", "wrapper")
         return [name for name in names if name in self.model_fields_set]
 
 
@@ -225,6 +241,13 @@ class VariantConfig(Strict):
         """Content hash of the recipe: same recipe, same hash, whatever the variant is called."""
         canonical = json.dumps(self.recipe(), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _former_wrapper(data: dict[str, Any]) -> dict[str, Any]:
+    if "wrapper" in data:
+        former = {now: old for old, now in RuntimeSettings.FORMER["engine"].values.items()}
+        data["engine"] = former[data.pop("wrapper")]
+    return data
 
 
 def is_peer_recipe(recipe: dict[str, Any]) -> bool:
@@ -391,100 +414,3 @@ class Config(Strict):
         if self.services.prefect_worker and self.schedule.work_pool is None:
             raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self
-
-
-def load_config(path: Path) -> Config:
-    """Read and validate params.yaml; every problem becomes one ConfigError line naming the key path."""
-    if registry.LOAD_PROBLEMS:  # a technique module that failed to load: the schema lacks its steps
-        raise ConfigError(registry.LOAD_PROBLEMS[0])
-    if not path.is_file():
-        raise ConfigError(f"{path}: file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: must be a mapping of sections, got {type(raw).__name__}")
-    if "extends" in raw:
-        raw = _extend(path, raw)
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(describe_validation_error(path.name, exc)) from None
-
-
-def _extend(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
-    """A profile file: `extends: params.yaml` plus the sections it changes (keys merged into the base's sections;
-    variants added to, or replacing, the base's variants by name)."""
-    base_path = path.parent / str(raw.pop("extends"))
-    if base_path.resolve() == path.resolve():
-        raise ConfigError(f"{path}: extends: names the file itself")
-    base = yaml.safe_load(base_path.read_text()) if base_path.is_file() else None
-    if not isinstance(base, dict) or "extends" in base:
-        raise ConfigError(f"{path}: extends: {base_path} must be a plain params file (one level of extends)")
-    for section, values in raw.items():
-        merged = isinstance(values, dict) and isinstance(base.get(section), dict)
-        base[section] = {**base[section], **values} if merged else values
-    return base
-
-
-def describe_validation_error(source: str, exc: ValidationError) -> str:
-    """One line for the first validation problem, with the dotted key path and what was expected."""
-    errors = exc.errors()
-    first = errors[0]
-    loc = [part for part in first["loc"] if not _is_pydantic_branch(part)]
-    key = _format_loc(loc)
-    if first["type"] == "extra_forbidden":
-        allowed = _allowed_keys(loc[:-1])
-        hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        detail = (
-            f"unknown key{f' (did you mean {hint[0]!r}?)' if hint else ''}; allowed: {', '.join(allowed)}"
-        )
-    else:
-        got = first.get("input")
-        detail = f"{first['msg'].removeprefix('Value error, ')}"
-        if first["type"] not in ("missing", "value_error") and not isinstance(got, dict):
-            detail += f", got {got!r}"
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{source}: {key or '<top level>'}: {detail}{more}"
-
-
-def _is_pydantic_branch(part: Any) -> bool:
-    """Union/literal branch labels pydantic inserts into error locations (e.g. 'function-after[...]')."""
-    return isinstance(part, str) and "[" in part
-
-
-def _format_loc(loc: list[Any]) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text
-
-
-def _allowed_keys(loc: list[Any]) -> list[str]:
-    """Field names of the config section found by walking `loc` from Config (dict keys and indexes skipped)."""
-    current: Any = Config
-    for part in loc:
-        if isinstance(part, int):
-            current = _unwrap(current, list)
-        elif isinstance(current, type) and issubclass(current, BaseModel):
-            current = current.model_fields[part].annotation
-        else:
-            current = _unwrap(current, dict)
-    current = _unwrap(current, None)
-    return (
-        sorted(current.model_fields) if isinstance(current, type) and issubclass(current, BaseModel) else []
-    )
-
-
-def _unwrap(annotation: Any, container: type | None) -> Any:
-    """The model type inside `list[X]`, `dict[str, X]` or `X | None`."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if container is not None and origin is container:
-        return args[-1]
-    if origin in (typing.Union, types.UnionType):
-        return next(arg for arg in args if arg is not type(None))
-    return annotation

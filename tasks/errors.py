@@ -16,7 +16,20 @@ class ConfigError(LlmoptError):
 
 
 class ModelSourceError(LlmoptError):
-    """The model source is missing, unreadable or corrupted."""
+    """The model source (params.yaml model.source) is missing, unreadable or corrupted."""
+
+
+class ArtifactError(LlmoptError):
+    """A variant folder or a stored artifact is missing, damaged, or not the bytes its hash records: it is
+    refused, never used."""
+
+
+class BuildError(LlmoptError):
+    """A technique could not build its variant (a converter or quantizer failed, a plan was not applied)."""
+
+
+class EngineError(LlmoptError):
+    """An inference engine cannot load or run here (its package is missing, a context does not fit)."""
 
 
 class DataValidationError(LlmoptError):

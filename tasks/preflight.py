@@ -171,7 +171,7 @@ def check_dvc_remote(root: Path) -> None:
 def check_disk_space(config: Config, root: Path) -> None:
     """Room in the work folder for the variants still to build, each counted at the base model's fp32 size
     (the largest a variant gets); skipped before the first run, when that size is not known yet."""
-    from tasks.storage import folder_size
+    from tasks.local_files import folder_size
 
     workdir = root / config.project.workdir
     base, variants = workdir / "base", workdir / "variants"

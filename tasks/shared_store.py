@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tasks.errors import LlmoptError, ModelSourceError, StorageError
-from tasks.storage import combined_sha256, file_hashes, first_difference, staged_folder
+from tasks.errors import ArtifactError, LlmoptError, StorageError
+from tasks.local_files import combined_sha256, file_hashes, first_difference, staged_folder
 
 INDEX = "llmopt-files.json"  # per-file SHA-256, uploaded after every file it lists
 
@@ -77,7 +77,7 @@ class FolderStore:
         hashes = file_hashes(folder)
         actual = combined_sha256(hashes)
         if key is not None and key != actual:
-            raise ModelSourceError(f"{folder}: its files hash to {actual[:12]}, expected {key[:12]}")
+            raise ArtifactError(f"{folder}: its files hash to {actual[:12]}, expected {key[:12]}")
         if self.has(actual):
             return actual
         fs, root = self._fs()
@@ -112,7 +112,7 @@ class FolderStore:
                 problem = first_difference(file_hashes(staging), hashes)
                 if problem is not None:
                     name, now, then = problem
-                    raise ModelSourceError(
+                    raise ArtifactError(
                         f"{self.url}/{key[:12]}: {name} hashes to {now[:12]}, the store recorded {then[:12]}; "
                         "refusing to use it"
                     )
@@ -126,14 +126,14 @@ class FolderStore:
                 hashes = json.loads(handle.read())
         except StorageError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
-                raise ModelSourceError(
+                raise ArtifactError(
                     f"{self.url}: no complete folder {key[:12]} (never uploaded, or its upload was interrupted)"
                 ) from None
             raise
         names = list(hashes) if isinstance(hashes, dict) else [".."]
         unsafe = [n for n in names if PurePosixPath(n).is_absolute() or ".." in PurePosixPath(n).parts]
         if unsafe or combined_sha256(hashes) != key:
-            raise ModelSourceError(
+            raise ArtifactError(
                 f"{self.url}/{key[:12]}: its index does not match its key; refusing to use it"
             )
         return hashes

@@ -39,11 +39,6 @@ def target_problems(config: Config, cuda_available: bool) -> list[str]:
         for index, step in enumerate(variant.steps):
             key = f"variants.{name}.steps[{index}].{step.kind}"
             problems += step.technique.problems(key, step.settings, config, cuda_available)
-        if runtime.engine == "tensorrt_llm":
-            problems.append(
-                f"{where}.engine: tensorrt_llm needs an NVIDIA GPU target and is not built by llmopt yet; "
-                "use onnx_genai steps (the fastest CPU engine) or the torch engine"
-            )
     return problems
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from tasks.config import SelectConfig
 from tasks.decide.frontier import Objective
+from tasks.decide.registry import PRODUCTION, version_label
 from tasks.decide.select import Leaderboard, VariantScore
 from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio, paired_speed_ratio
 from tasks.measure.benchmark import BenchmarkResult
@@ -66,7 +67,9 @@ def judge(
         return Verdict(True, f"no production version yet; {winner}: {board.reason}", winner, None)
     if champion.name == winner:
         same = (
-            "" if winner == f"production-v{champion.version}" else f" (the same bytes as this run's {winner})"
+            ""
+            if winner == version_label(PRODUCTION, champion.version)
+            else f" (the same bytes as this run's {winner})"
         )
         reason = f"production v{champion.version}{same} is still the best {board.objective} of this run; nothing to move"
         return Verdict(False, reason, winner, champion.version)

@@ -35,6 +35,11 @@ CANDIDATE = "candidate"
 PRODUCTION = "production"
 
 
+def version_label(alias: str, version: str) -> str:
+    """How a registered version is named among a run's models: `production-v3`, `candidate-v4`."""
+    return f"{alias}-v{version}"
+
+
 @dataclass(frozen=True)
 class RegisteredVersion:
     """What `production` points to: the version and the content hash of its variant bytes."""
@@ -125,7 +130,7 @@ def model_requirements(manifest: VariantManifest) -> list[str]:
             read = registry.recorded_settings(name, settings)
             extra = read[0].packages(read[1]) if read else []
             packages += [package for package in extra if package not in packages]
-    if manifest.recipe.get("runtime", {}).get("engine") == "deepspeed":
+    if manifest.runtime_settings().wrapper == "deepspeed":
         packages.append("deepspeed")
     # a local label such as +cpu is dropped: `==2.13.0` accepts the CPU wheel here and the PyPI release elsewhere
     return [f"{package}=={metadata.version(package).split('+')[0]}" for package in packages]
@@ -167,7 +172,7 @@ def fetch_version(model_name: str, version: RegisteredVersion, dest: Path) -> Pa
     """The variant folder of `version` in `dest`: kept when it is that version's model and its bytes still match
     their manifest, else downloaded afresh and verified (staged, so an interrupted download is never used)."""
     from tasks.engines.manifest import MANIFEST_FILE, read_manifest
-    from tasks.storage import staged_folder
+    from tasks.local_files import staged_folder
 
     for manifest_path in dest.glob(f"**/{MANIFEST_FILE}"):
         folder, manifest = manifest_path.parent, read_manifest(manifest_path.parent)
@@ -181,7 +186,7 @@ def fetch_version(model_name: str, version: RegisteredVersion, dest: Path) -> Pa
 def bytes_hash(folder: Path) -> str:
     """SHA-256 of a variant folder's files, its manifest excepted: what the manifest and the registry record."""
     from tasks.engines.manifest import MANIFEST_FILE
-    from tasks.storage import folder_sha256
+    from tasks.local_files import folder_sha256
 
     return folder_sha256(folder, exclude=(MANIFEST_FILE,))
 

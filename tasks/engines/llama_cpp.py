@@ -16,7 +16,7 @@ import numpy as np
 
 from tasks.engines.contract import BatchDecoder, Runtime, next_token_nll
 from tasks.engines.manifest import VariantManifest
-from tasks.errors import ModelSourceError
+from tasks.errors import ArtifactError, EngineError
 
 ENGINE = "llama.cpp"
 GGUF = "gguf"  # the weights format: model.gguf beside the Hugging Face tokenizer
@@ -34,7 +34,7 @@ def llama_cpp_module() -> Any:
     try:
         import llama_cpp
     except ImportError as exc:  # an install without the source-built wheel (make install builds it)
-        raise ModelSourceError(
+        raise EngineError(
             "the llama.cpp engine needs llama-cpp-python; run `make install` (it builds the wheel once per "
             f"machine) ({exc})"
         ) from exc
@@ -59,7 +59,7 @@ class GgufModel:
         params.n_gpu_layers = 0
         self.pointer = self._lib.llama_model_load_from_file(str(path).encode(), params)
         if not self.pointer:
-            raise ModelSourceError(
+            raise ArtifactError(
                 f"{path}: llama.cpp cannot load this GGUF file (damaged or an unknown format)"
             )
         self.n_vocab = self._lib.llama_vocab_n_tokens(self._lib.llama_model_get_vocab(self.pointer))
@@ -148,7 +148,7 @@ class _Context:
         self._model = model  # keeps the model alive while this context uses it
         self._ctx = lib.llama_init_from_model(model.pointer, params)
         if not self._ctx:
-            raise ModelSourceError(f"llama.cpp could not create a context of {cells} tokens")
+            raise EngineError(f"llama.cpp could not create a context of {cells} tokens")
         self._vocab = model.n_vocab
         self._batch = lib.llama_batch_init(cells, 0, 1)
         self._memory = lib.llama_get_memory(self._ctx)
@@ -181,7 +181,7 @@ class _Context:
                 batch.logits[count] = int(every or offset == len(tokens) - 1)
                 count += 1
         if count > self.cells:
-            raise ModelSourceError(f"llama.cpp: {count} tokens in one batch, the context holds {self.cells}")
+            raise EngineError(f"llama.cpp: {count} tokens in one batch, the context holds {self.cells}")
         batch.n_tokens = count
         status = self._lib.llama_decode(self._ctx, batch)
         if status != 0:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import RuntimeSettings
-from tasks.errors import ModelSourceError
-from tasks.storage import combined_sha256, file_hashes, file_sha256, first_difference
+from tasks.errors import ArtifactError
+from tasks.local_files import combined_sha256, file_hashes, file_sha256, first_difference
 
 MANIFEST_FILE = "manifest.json"
 VARIANT_ARTIFACT = "variant"  # the artifact under which a registered MLflow model carries its variant folder
@@ -50,7 +50,7 @@ class VariantManifest:
     def model_hash(self) -> str:
         """Identity of the model as it runs: its bytes plus its resolved runtime settings (variants that differ
         only in attention, KV cache, window or engine share their bytes, not their behaviour)."""
-        settings = json.dumps(self.runtime_settings().model_dump(mode="json"), sort_keys=True)
+        settings = json.dumps(self.runtime_settings().identity(), sort_keys=True)
         return hashlib.sha256(f"{self.content_hash}\0{settings}".encode()).hexdigest()
 
     def write(self, folder: Path) -> None:
@@ -58,23 +58,23 @@ class VariantManifest:
 
 
 def read_manifest(folder: Path) -> VariantManifest:
-    """The manifest of a variant folder; a missing or unreadable one is a clear ModelSourceError."""
+    """The manifest of a variant folder; a missing or unreadable one is a clear ArtifactError."""
     path = folder / MANIFEST_FILE
     try:
         return VariantManifest(**json.loads(path.read_text()))
     except FileNotFoundError:
-        raise ModelSourceError(f"{folder}: no {MANIFEST_FILE}; not an llmopt variant folder") from None
+        raise ArtifactError(f"{folder}: no {MANIFEST_FILE}; not an llmopt variant folder") from None
     except (ValueError, TypeError) as exc:
-        raise ModelSourceError(f"{path}: unreadable manifest ({exc})") from None
+        raise ArtifactError(f"{path}: unreadable manifest ({exc})") from None
 
 
 def verify_variant(folder: Path, label: str | None = None) -> VariantManifest:
     """The folder's manifest once its bytes match the content hash it records (each file is read once per change:
-    see `tasks.storage.HashCache`); else a ModelSourceError naming the folder, the file and both hashes."""
+    see `tasks.local_files.HashCache`); else an ArtifactError naming the folder, the file and both hashes."""
     manifest = read_manifest(folder)
     problem = integrity_problem(folder, manifest)
     if problem:
-        raise ModelSourceError(f"{label or folder}: {problem}; refusing to use it")
+        raise ArtifactError(f"{label or folder}: {problem}; refusing to use it")
     return manifest
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from tasks.engines.contract import BatchDecoder, Runtime, next_token_nll
 from tasks.engines.manifest import VariantManifest
-from tasks.errors import ModelSourceError
+from tasks.errors import ArtifactError
 
 ENGINE = "onnxruntime-genai"
 ONNX_GENAI = "onnx-genai"  # the weights format: the builder's output folder (genai_config.json, model.onnx …)
@@ -32,9 +32,7 @@ class OrtGenAIRuntime(Runtime):
         try:
             self.model = og.Model(config)
         except Exception as exc:  # onnxruntime_genai raises plain RuntimeError/OrtException subclasses
-            raise ModelSourceError(
-                f"{folder}: cannot load the ONNX model ({str(exc).splitlines()[0]})"
-            ) from exc
+            raise ArtifactError(f"{folder}: cannot load the ONNX model ({str(exc).splitlines()[0]})") from exc
         self._og = og
         self._folder, self._threads = folder, threads
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][

@@ -9,7 +9,7 @@ from tasks.config import RuntimeSettings
 from tasks.engines.contract import BatchDecoder, Runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.torch_weights import QUANTO, load_torch_model
-from tasks.errors import ModelSourceError, TargetError
+from tasks.errors import ArtifactError
 
 ENGINE = "torch"  # the manifest's `engine` for every variant this module runs
 KV_RESIDUAL_TOKENS = (
@@ -28,16 +28,14 @@ class TorchRuntime(Runtime):
         torch.set_num_threads(threads)
         self.manifest = manifest
         settings = manifest.runtime_settings()
-        if settings.engine == "tensorrt_llm":
-            raise TargetError("engine tensorrt_llm needs an NVIDIA GPU target; on cpu use onnx_genai")
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         try:
             self.model = load_torch_model(folder, manifest.weights_format, manifest.dtype, settings)
         except (OSError, RuntimeError, ValueError) as exc:
-            raise ModelSourceError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
+            raise ArtifactError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
         self.model.eval()
         self.context_length = self.model.config.max_position_embeddings
-        if settings.engine == "deepspeed":
+        if settings.wrapper == "deepspeed":
             self.model = deepspeed_engine(self.model, manifest.dtype)
         self._options = generation_options(settings, self.model.config.head_dim)
         # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import RuntimeSettings
-from tasks.errors import ModelSourceError, TargetError
+from tasks.errors import ArtifactError, TargetError
 
 HF_SAFETENSORS = "hf-safetensors"
 TORCH_DYNAMIC = "torch-dynamic-int8"
@@ -51,9 +51,7 @@ def load_torch_model(folder: Path, weights_format: str, dtype: str, settings: Ru
         return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)
     if weights_format in (TORCH_DYNAMIC, TRANSFORMERS_QUANTIZED, QUANTO):
         return load_quantized(folder, weights_format)
-    raise ModelSourceError(
-        f"{folder}: weights format {weights_format!r} unknown; known: {', '.join(FORMATS)}"
-    )
+    raise ArtifactError(f"{folder}: weights format {weights_format!r} unknown; known: {', '.join(FORMATS)}")
 
 
 def load_quantized(folder: Path, weights_format: str) -> Any:

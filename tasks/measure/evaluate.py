@@ -19,7 +19,7 @@ from tasks.engines import Runtime, load_runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import DataValidationError
 from tasks.failpoints import failpoint
-from tasks.storage import code_sha256, staged_file
+from tasks.local_files import code_sha256, staged_file
 
 # What an evaluation's numbers depend on besides the bytes and the text: this module and every engine.
 MEASURING_MODULES = ("tasks.measure.evaluate", "tasks.measure.lm_eval_adapter", "tasks.engines")

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tasks.errors import ComparisonError
+
 
 @dataclass(frozen=True)
 class Span:
@@ -104,3 +106,21 @@ def write_timeline(spans: list[Span], folder: Path) -> list[Path]:
     figure.savefig(picture, dpi=110)
     plt.close(figure)
     return [data, picture]
+
+
+def check_benchmarks_clean(machine: str, spans: list[Span], resource: str) -> None:
+    """Every benchmark of a run must run on the kind of machine the run's fingerprint names (`machine`, its hash),
+    and no other task of the run beside it (the flow's barrier and one-at-a-time submission make that so; this
+    checks they did). `resource`: the Dask worker resource that routes benchmarks, named in the error."""
+    machines = {span.machine for span in spans if span.kind in ("benchmark", "bandwidth")}
+    if machines - {machine}:
+        raise ComparisonError(
+            f"benchmarks ran on machines with different fingerprints ({', '.join(sorted(machines))}): "
+            f"give the `{resource}` resource to workers of one kind of machine only"
+        )
+    if clash := overlapping(spans):
+        bench, other = clash[0]
+        raise ComparisonError(
+            f"{other.kind} {other.name} ran on {other.host} during the benchmark of {bench.name}: its figures "
+            "are not clean"
+        )

@@ -1,4 +1,7 @@
-"""tracking: one MLflow parent run per pipeline run, one nested run per variant (explicit run ids, no globals)."""
+"""tracking: one MLflow parent run per pipeline run, one nested run per variant (explicit run ids, no globals).
+
+Run hygiene (dead processes, an unreachable server) is in run_hygiene.py; the leaderboard's files in
+leaderboard_files.py."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import contextlib
 import json
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -14,10 +17,10 @@ from urllib.parse import urlparse
 from tasks.config import Config, TrackingConfig
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
-from tasks.errors import exception_chain
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
-from tasks.report.plots import precision_plot, speed_plot, tradeoff_plot
+from tasks.report.plots import precision_plot
+from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 from tasks.techniques import registry
 
 
@@ -110,6 +113,14 @@ def experiment_url(ui: str, experiment_id: str) -> str:
     return f"{ui.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
 
 
+@dataclass(frozen=True)
+class ParentRun:
+    """A pipeline run's MLflow parent run: the experiment it is in and its id (variant runs nest under it)."""
+
+    experiment_id: str
+    run_id: str
+
+
 @contextlib.contextmanager
 def parent_run(
     experiment_id: str,
@@ -117,7 +128,7 @@ def parent_run(
     lineage: dict[str, str],
     fingerprint: dict[str, Any],
     kind: str = "pipeline",
-) -> Iterator[str]:
+) -> Iterator[ParentRun]:
     """The pipeline's parent run: settings, input hashes and fingerprint logged up front, FAILED if the body raises."""
     from mlflow import MlflowClient
     from mlflow.entities import Param
@@ -134,71 +145,13 @@ def parent_run(
         params = {**_flatten(config.model_dump(mode="json", exclude={"variants"})), **lineage}
         params["variants"] = ",".join(config.variants)
         client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
-        yield run_id
+        yield ParentRun(experiment_id, run_id)
     except BaseException:
         # the store may be gone too: then the next run marks this run KILLED (mark_ghost_runs)
         with contextlib.suppress(Exception):
             client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
-
-
-def tracking_unreachable(exc: BaseException) -> str | None:
-    """The one-line story of an MLflow call that failed because the tracking server stopped answering, or None
-    for any other failure (only for a tracking server, and only when the error names its address)."""
-    import mlflow
-
-    uri = mlflow.get_tracking_uri()
-    parsed = urlparse(uri)
-    if parsed.scheme not in ("http", "https") or parsed.hostname is None:
-        return None
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    for error in exception_chain(exc):
-        text = str(error)
-        about_the_server = f"{parsed.hostname}:{port}" in text or f"port={port}" in text
-        if about_the_server and any(sign in text for sign in ("Max retries exceeded", "Connection refused")):
-            return (
-                f"tracking.uri: {uri} stopped answering, and the run stopped there (start the tracking server "
-                "and run again: the next run marks this one KILLED; `llmopt history` shows whether production moved)"
-            )
-    return None
-
-
-def process_tags() -> dict[str, str]:
-    """Where a run runs: the host and the process (id and start time, so a reused pid is not mistaken for it)."""
-    import socket
-
-    import psutil
-
-    me = psutil.Process()
-    return {
-        "llmopt.host": socket.gethostname(),
-        "llmopt.pid": str(me.pid),
-        "llmopt.pid_started": str(me.create_time()),
-    }
-
-
-def mark_ghost_runs(experiment_id: str) -> list[str]:
-    """Runs left RUNNING by a process of this host that is gone (killed, SIGKILL included) become KILLED."""
-    import socket
-
-    import psutil
-    from mlflow import MlflowClient
-
-    client, host, ghosts = MlflowClient(), socket.gethostname(), []
-    running = client.search_runs(
-        [experiment_id], f"attributes.status = 'RUNNING' and tags.`llmopt.host` = '{host}'", max_results=1000
-    )
-    for run in running:
-        pid, started = int(run.data.tags.get("llmopt.pid", "0")), run.data.tags.get("llmopt.pid_started")
-        try:
-            alive = str(psutil.Process(pid).create_time()) == started
-        except (psutil.NoSuchProcess, ValueError):
-            alive = False
-        if not alive:
-            client.set_terminated(run.info.run_id, "KILLED")
-            ghosts.append(run.info.run_id)
-    return ghosts
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -323,21 +276,6 @@ def recipe_params(manifest: VariantManifest) -> dict[str, Any]:
         params["weight_bits"] = bits or params["weight_bits"]
     params.update(_flatten(manifest.runtime_settings().model_dump(mode="json"), "runtime."))
     return params
-
-
-def write_reports(board: Leaderboard, folder: Path) -> list[Path]:
-    """Leaderboard as JSON, CSV and markdown, the DVC metrics file and the plots; returns the files."""
-    folder.mkdir(parents=True, exist_ok=True)
-    files = {
-        "leaderboard.json": board.to_json(),
-        "leaderboard.csv": board.to_csv(),
-        "leaderboard.md": board.to_markdown(),
-        "metrics.json": json.dumps(board.metrics(), indent=2, sort_keys=True) + "\n",
-    }
-    for name, text in files.items():
-        (folder / name).write_text(text)
-    plots = [tradeoff_plot(board, folder / "tradeoff.png"), speed_plot(board, folder / "speed.png")]
-    return [folder / name for name in files] + plots
 
 
 def log_reports(

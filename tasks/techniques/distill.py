@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from tasks.local_files import staged_file
 from tasks.schema import Strict
-from tasks.storage import staged_file
 from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
 
 CHECKPOINT_FILE = "distill-checkpoint.pt"

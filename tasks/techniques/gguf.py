@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import ModelSourceError
+from tasks.errors import BuildError
 from tasks.techniques.calibration import capture_inputs, mean_square
 
 CONVERTER_DIR = Path(sys.prefix) / "share" / "llama.cpp"  # filled by `make install`
@@ -58,7 +58,7 @@ def convert_to_gguf(source: Path, out_file: Path) -> str:
     """Convert an HF folder to an F32 GGUF with llama.cpp's converter (in a subprocess; its log is shown only on
     failure). Returns a note when the tokenizer's pre-tokenizer was unknown to llama.cpp."""
     if not CONVERTER.is_file():
-        raise ModelSourceError(
+        raise BuildError(
             f"llama_cpp: llama.cpp's converter is missing ({CONVERTER}); run `make install` (it unpacks it from "
             "llama-cpp-python's source package)"
         )
@@ -75,7 +75,7 @@ def convert_to_gguf(source: Path, out_file: Path) -> str:
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0 or not out_file.is_file():
         tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        raise ModelSourceError(f"llama_cpp: llama.cpp's converter failed on {source}: {tail}")
+        raise BuildError(f"llama_cpp: llama.cpp's converter failed on {source}: {tail}")
     if "llmopt: unknown pre-tokenizer" in result.stderr:
         return (
             "the tokenizer's pre-tokenizer is unknown to llama.cpp: the GGUF records 'default' (llmopt always "
@@ -122,7 +122,7 @@ def quantize_gguf(
         keep.append(entries)
     status = lib.llama_model_quantize(str(source).encode(), str(dest).encode(), ctypes.byref(params))
     if status != 0 or not dest.is_file():
-        raise ModelSourceError(f"llama_cpp: llama.cpp could not quantize {source.name} to {file_type}")
+        raise BuildError(f"llama_cpp: llama.cpp could not quantize {source.name} to {file_type}")
 
 
 def importance_matrix(

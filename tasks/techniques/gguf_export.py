@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.errors import LlmoptError, ModelSourceError
+from tasks.errors import BuildError, LlmoptError
 from tasks.schema import Strict
 from tasks.techniques import gguf
 from tasks.techniques.calibration import WINDOW_TOKENS
@@ -194,7 +194,7 @@ def _gguf_export(
             stored = gguf.tensor_types(dest / llama_cpp.MODEL_FILE)
             wrong = {name: stored.get(name) for name, kind in types.items() if stored.get(name) != kind}
             if wrong:  # a kept tensor llama.cpp could not store as planned (its shape fits no block) is named
-                raise ModelSourceError(f"llama_cpp: the GGUF does not hold the planned tensor types: {wrong}")
+                raise BuildError(f"llama_cpp: the GGUF does not hold the planned tensor types: {wrong}")
     return f"{note}; {caveat}" if caveat else note
 
 

@@ -1,5 +1,5 @@
 """onnx_genai step: export a float HF folder to ONNX Runtime GenAI with its model builder (int4/int8/fp32), after
-an optional mixed-precision search (tasks/techniques/mixed_precision.py) and GPTQ rounding (tasks/techniques/gptq.py)."""
+an optional mixed-precision search (tasks/techniques/mixed_precision.py) and GPTQ rounding (tasks/techniques/gptq_rounding.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.errors import ModelSourceError
+from tasks.errors import BuildError
 from tasks.failpoints import failpoint
 from tasks.schema import Strict
 from tasks.techniques.calibration import WINDOW_TOKENS
@@ -45,7 +45,7 @@ class OnnxGenAIStep(Strict):
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
     mixed_precision: MixedPrecision | None = None  # int4 only: keep the most sensitive matrices at int8
     # int4 only: how weights are rounded. rtn: the builder's round-to-nearest; gptq: GPTQ on the calibration split
-    # onto the same grid (symmetric only), which the builder then stores as is (tasks/techniques/gptq.py)
+    # onto the same grid (symmetric only), which the builder then stores as is (tasks/techniques/gptq_rounding.py)
     rounding: Literal["rtn", "gptq"] = "rtn"
     # rounding gptq: calibration windows (of 256 tokens) the Hessians are collected on
     gptq_windows: Annotated[int, Field(ge=1, le=4096)] = 32
@@ -148,7 +148,7 @@ def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: Any) -> An
 
 def _gptq_rounding(model: Any, export: OnnxGenAIStep, plan: Any, context: Any) -> str:
     """GPTQ-round (in place, onto the export's int4 grid) every matrix the export stores at int4."""
-    from tasks.techniques.gptq import apply_gptq
+    from tasks.techniques.gptq_rounding import apply_gptq
     from tasks.techniques.mixed_precision import export_matrices
 
     windows = context.sequences(context.tokenizer, WINDOW_TOKENS, limit=export.gptq_windows)
@@ -170,7 +170,7 @@ def _check_plan_applied(plan: Any, dest: Path) -> None:
         differing = [embedding]
         wanted[embedding] = 4
     if differing:
-        raise ModelSourceError(
+        raise BuildError(
             f"onnx_genai: the model builder did not apply the mixed-precision plan to {differing[0]} "
             f"(wanted {wanted[differing[0]]} bits, the graph has {exported.get(differing[0])})"
         )
@@ -201,7 +201,7 @@ def build_onnx_genai(
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         tail = " | ".join((result.stderr or result.stdout).strip().splitlines()[-3:])
-        raise ModelSourceError(f"onnx_genai: the model builder failed on {source}: {tail}")
+        raise BuildError(f"onnx_genai: the model builder failed on {source}: {tail}")
 
 
 def weight_bits(folder: Path) -> dict[str, int]:

@@ -16,10 +16,10 @@ from tasks.config import VariantConfig
 from tasks.engines import pytorch
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
 from tasks.engines.torch_weights import HF_SAFETENSORS
-from tasks.errors import ConfigError, ModelSourceError
+from tasks.errors import ArtifactError, BuildError, ConfigError
 from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase, save_tokenizer
-from tasks.storage import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
+from tasks.local_files import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
 from tasks.techniques.registry import ExportJob, StepArgumentError
 
 
@@ -38,7 +38,7 @@ class BuildContext:
     def sequences(self, tokenizer: Any, length: int, limit: int | None = None) -> list[list[int]]:
         """The calibration split as token sequences of `length` (the tail shorter than 8 tokens dropped)."""
         if not self.calibration_texts:
-            raise ModelSourceError("this step needs the calibration split, which is empty")
+            raise BuildError("this step needs the calibration split, which is empty")
         ids = tokenizer("\n\n".join(self.calibration_texts), add_special_tokens=False)["input_ids"]
         chunks = [ids[i : i + length] for i in range(0, len(ids), length) if len(ids[i : i + length]) >= 8]
         return chunks[:limit]
@@ -56,9 +56,8 @@ def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) ->
     """Content address of a variant: same base, data, recipe, builder code and libraries → same artifact."""
     builder = code_sha256(BUILDER_MODULES)
     versions = ",".join(f"{k}={v}" for k, v in sorted(_library_versions().items()))
-    settings = json.dumps(
-        variant.model_dump(mode="json"), sort_keys=True
-    )  # defaults resolved: a changed default rebuilds
+    resolved = {**variant.model_dump(mode="json"), "runtime": variant.runtime.identity()}
+    settings = json.dumps(resolved, sort_keys=True)  # defaults resolved: a changed default rebuilds
     key = f"{base_hash}\0{data_hash}\0{variant.recipe_hash()}\0{settings}\0{builder}\0{versions}"
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -121,7 +120,7 @@ def _reusable_manifest(out_dir: Path, build_key: str) -> VariantManifest | None:
         return None
     try:
         manifest = read_manifest(out_dir)
-    except ModelSourceError:
+    except ArtifactError:
         return None
     if manifest.build_key != build_key:
         return None

@@ -12,11 +12,11 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from tasks.schema import Strict
+from tasks.schema import Former, Strict
 from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
 
@@ -66,7 +66,7 @@ METHODS = {
         8,
         ("accelerate", "bitsandbytes"),
     ),
-    "gptq": Method("gptqmodel GPTQ (CUDA only)", None, ("gptqmodel",)),
+    "gptqmodel": Method("gptqmodel's GPTQ (CUDA only)", None, ("gptqmodel",)),
 }
 NOTES = {name: method.note for name, method in METHODS.items()}
 
@@ -76,24 +76,26 @@ QuantizeMethod = Literal[tuple(METHODS)]  # type: ignore[valid-type]
 class QuantizeStep(Strict):
     """Weight quantization; see tasks/techniques/quantize.py for what each method stores and runs."""
 
+    # gptqmodel was `gptq`, which read as llmopt's own GPTQ rounding (onnx_genai rounding: gptq)
+    FORMER: ClassVar[dict[str, Former]] = {"method": Former("method", {"gptq": "gptqmodel"})}
     method: QuantizeMethod
     # Method-specific settings; setting one that another method owns is refused.
-    group_size: Literal[32, 64, 128, 192] = 64  # torchao_int4_weight_only, gptq (SmolLM2's 576 = 9 × 64)
+    group_size: Literal[32, 64, 128, 192] = 64  # torchao_int4_weight_only, gptqmodel (SmolLM2's 576 = 9 × 64)
     double_quant: bool = True  # bnb_nf4 / bnb_fp4: also quantize the scales
     compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bnb_nf4 / bnb_fp4 matmuls
-    bits: Literal[2, 3, 4, 8] = 4  # gptq
-    desc_act: bool = False  # gptq: quantize columns by decreasing activation order
+    bits: Literal[2, 3, 4, 8] = 4  # gptqmodel
+    desc_act: bool = False  # gptqmodel: quantize columns by decreasing activation order
     # quanto_w8a8: calibration windows (of 256 tokens) its activation scales are set on
     calibration_windows: Annotated[int, Field(ge=1, le=4096)] = 16
 
     @model_validator(mode="after")
     def _fields_of_the_method(self) -> QuantizeStep:
         owners = {
-            "group_size": ("torchao_int4_weight_only", "gptq"),
+            "group_size": ("torchao_int4_weight_only", "gptqmodel"),
             "double_quant": ("bnb_nf4", "bnb_fp4"),
             "compute_dtype": ("bnb_nf4", "bnb_fp4"),
-            "bits": ("gptq",),
-            "desc_act": ("gptq",),
+            "bits": ("gptqmodel",),
+            "desc_act": ("gptqmodel",),
             "calibration_windows": ("quanto_w8a8",),
         }
         for name in sorted(name for name in owners if name in self.model_fields_set):
@@ -126,9 +128,9 @@ class Quantize(Technique):
         return list(METHODS[settings.method].packages)
 
     def problems(self, where: str, settings: QuantizeStep, config: Config, cuda_available: bool) -> list[str]:
-        if settings.method == "gptq" and config.target.device != "cuda":
+        if settings.method == "gptqmodel" and config.target.device != "cuda":
             return [
-                f"{where}.method: gptq needs a cuda target (gptqmodel's kernels and calibration are CUDA-only; "
+                f"{where}.method: gptqmodel needs a cuda target (gptqmodel's kernels and calibration are CUDA-only; "
                 "its sdist does not build here); use onnx_genai int4 or quanto_w4a16 on cpu"
             ]
         return []
@@ -167,7 +169,7 @@ class Quantize(Technique):
             ),
             Row("`quantize: {method: bnb_int8}`", (), "bitsandbytes LLM.int8()"),
             Row(
-                "`quantize: {method: gptq}`",
+                "`quantize: {method: gptqmodel}`",
                 ("bits", "group_size", "desc_act"),
                 "**GPU targets only**: gptqmodel's kernels and calibration need CUDA (its sdist does not build "
                 "here); refused on `target.device: cpu` before any work",
@@ -190,7 +192,9 @@ def quantize_model(model: Any, step: QuantizeStep, calibration: list[list[int]])
         return quantize_quanto(model, step, calibration), QUANTO
     if step.method.startswith(("torchao_", "bnb_")):
         return quantize_at_load(model, transformers_quantization_config(step)), TRANSFORMERS_QUANTIZED
-    raise ValueError(f"method: {step.method} cannot run on this target")  # gptq: refused by the target check
+    raise ValueError(
+        f"method: {step.method} cannot run on this target"
+    )  # gptqmodel: refused by the target check
 
 
 def transformers_quantization_config(step: QuantizeStep) -> Any:

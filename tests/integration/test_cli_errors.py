@@ -1,4 +1,4 @@
-"""The README's catalogue of bad input, run as a user meets it: `llmopt` on a project with one thing wrong gives
+"""The catalogue of bad input (docs/bad-input.md), run as a user meets it: `llmopt` on a project with one thing wrong gives
 one clean line naming the culprit, the documented exit code, no traceback, and writes nothing at all."""
 
 from __future__ import annotations
@@ -181,10 +181,11 @@ CATALOGUE = {
     "sliding window below 8": Case(step_variant(sliding_window=4), "greater than or equal to 8"),
     "a setting of another quantization method": Case(
         step_variant({"quantize": {"method": "bnb_int8", "group_size": 64}}),
-        "group_size applies to torchao_int4_weight_only / gptq, not bnb_int8",
+        "group_size applies to torchao_int4_weight_only / gptqmodel, not bnb_int8",
     ),
     "a step the target cannot run": Case(
-        step_variant({"quantize": {"method": "gptq", "group_size": 128}}), "gptq needs a cuda target"
+        step_variant({"quantize": {"method": "gptqmodel", "group_size": 128}}),
+        "gptqmodel needs a cuda target",
     ),
     "a cron Prefect would refuse": Case(
         setting("schedule", cron="61 * * * *"),

@@ -141,8 +141,8 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
     import psycopg
 
     from flows.services import configured_services, running_pid, start, stop
-    from tasks.config import load_config
-    from tasks.store import FolderStore
+    from tasks.params_file import load_config
+    from tasks.shared_store import FolderStore
 
     root, params, env = cluster
     # a remote cluster reports to a Prefect server its workers reach (pre-flight refuses it without one)

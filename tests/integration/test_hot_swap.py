@@ -29,7 +29,7 @@ def registry_project(tmp_path, tiny_model_dir, corpus_dir):
     from tasks.config import VariantConfig
     from tasks.decide.registry import register_variant
     from tasks.inputs.load import PreparedBase
-    from tasks.storage import folder_sha256
+    from tasks.local_files import folder_sha256
     from tasks.techniques.optimize import build_variant
 
     params = tiny_params(tiny_model_dir, corpus_dir, project={"name": MODEL}, serve={"watch_s": 0.2})

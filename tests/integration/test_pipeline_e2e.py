@@ -323,7 +323,7 @@ def plant_logit_bias(source: Path, target: Path, bias: float) -> None:
     import onnx
     from onnx import helper, numpy_helper
 
-    from tasks.storage import folder_sha256
+    from tasks.local_files import folder_sha256
 
     shutil.copytree(source, target)
     model = onnx.load(target / "model.onnx")

@@ -12,7 +12,7 @@ import pytest
 from tasks.decide.history import LOCK_SUFFIX, history, move_production, registry_lock, rollback_target
 from tasks.decide.registry import PRODUCTION, current_version
 from tasks.errors import RegistryError
-from tasks.report.tracking import mark_ghost_runs, process_tags
+from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 
 MODEL = "moves"
 

@@ -9,7 +9,7 @@ import pytest
 from tasks import failpoints
 from tasks.config import Config
 from tasks.decide.registry import version_tags
-from tasks.errors import ModelSourceError
+from tasks.errors import ArtifactError
 
 MODEL = "retried"
 
@@ -32,8 +32,8 @@ def registry(tmp_path, tiny_model_dir):
 
     from tasks.config import TrackingConfig, VariantConfig
     from tasks.inputs.load import PreparedBase
+    from tasks.local_files import folder_sha256
     from tasks.report.tracking import configure_tracking
-    from tasks.storage import folder_sha256
     from tasks.techniques.optimize import build_variant
 
     previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
@@ -118,7 +118,7 @@ def test_a_corrupted_variant_folder_fails_the_register_task_without_a_retry(pref
     state, history = register(config, folder, run_id)
 
     assert state.is_failed()
-    with pytest.raises(ModelSourceError, match="refusing to use it"):
+    with pytest.raises(ArtifactError, match="refusing to use it"):
         state.result()
     assert [s.name for s in history if s.is_running()] == ["Running"]  # one attempt
     assert not any(s.name == "AwaitingRetry" for s in history)

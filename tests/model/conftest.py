@@ -10,7 +10,7 @@ import pytest
 from tasks.config import VariantConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.inputs.load import PreparedBase
-from tasks.storage import folder_sha256
+from tasks.local_files import folder_sha256
 from tasks.techniques.optimize import build_variant
 from tests.techniques import CALIBRATION, CLAIMS, FP32_RECIPES, Reference, planted_quantizer
 

@@ -12,7 +12,7 @@ from flows.stages import Inputs, optimize_task
 from tasks.config import VariantConfig
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
-from tasks.storage import folder_sha256
+from tasks.local_files import folder_sha256
 from tasks.techniques.mixed_precision import export_matrices, fake_quantize
 from tasks.techniques.onnx_export import weight_bits
 from tests.factories import synthetic_sentences
@@ -177,7 +177,7 @@ def test_gptq_rounds_onto_the_exports_own_grid_and_beats_round_to_nearest(plante
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.techniques.gptq import gptq_round, hessians
+    from tasks.techniques.gptq_rounding import gptq_round, hessians
 
     model = AutoModelForCausalLM.from_pretrained(planted_base.path)
     tokenizer = AutoTokenizer.from_pretrained(planted_base.path)

@@ -14,7 +14,7 @@ from tasks.techniques.quantize import QuantizeMethod, QuantizeStep, quantize_mod
 # Reloaded logits equal the in-memory quantized model's; quanto W8A8 re-derives its activation quantizers on
 # reload and lands within its own quantization noise (measured 0.009 on the tiny model).
 ROUND_TRIP_ATOL = {"quanto_w8a8": 0.05}
-METHODS = [m for m in typing.get_args(QuantizeMethod) if m != "gptq"]  # gptq: GPU targets only
+METHODS = [m for m in typing.get_args(QuantizeMethod) if m != "gptqmodel"]  # gptqmodel: GPU targets only
 IDS = torch.tensor([[5, 17, 33, 40, 77, 100, 120, 7, 9, 11, 60, 61]])
 
 

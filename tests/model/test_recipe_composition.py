@@ -11,9 +11,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
-from tasks.errors import ConfigError, ModelSourceError
+from tasks.errors import BuildError, ConfigError
 from tasks.inputs.load import PreparedBase
-from tasks.storage import folder_sha256
+from tasks.local_files import folder_sha256
 from tasks.techniques.optimize import build_variant
 from tests.factories import synthetic_sentences
 
@@ -97,7 +97,7 @@ def test_pruned_model_has_the_shapes_its_config_promises(base, tmp_path):
 
 
 def test_calibrated_step_without_calibration_text_is_a_clear_error(base, tmp_path):
-    with pytest.raises(ModelSourceError, match="needs the calibration split"):
+    with pytest.raises(BuildError, match="needs the calibration split"):
         build_variant("d", VariantConfig.model_validate(DISTILL_THEN_INT8), base, "d", tmp_path / "d")
     assert not (tmp_path / "d").exists() and not (tmp_path / "d.partial").exists()
 

@@ -19,7 +19,7 @@ SETTINGS = {
     "kv4": {"kv_cache": "quantized"},
     "kv2": {"kv_cache": "quantized", "kv_cache_bits": 2},
     "window8": {"sliding_window": 8},
-    "deepspeed": {"engine": "deepspeed"},
+    "deepspeed": {"wrapper": "deepspeed"},
 }
 TEXT = "The river walks the stone near the garden 12. The train finds the book near the quiet forest 7."
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-import tasks.storage
+import tasks.local_files
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
 from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
-from tasks.storage import file_sha256, folder_sha256
+from tasks.local_files import file_sha256, folder_sha256
 from tests.factories import synthetic_sentences
 
 BF16 = VariantConfig.model_validate({"runtime": {"dtype": "bfloat16"}})
@@ -26,7 +26,7 @@ def remembered_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hash cache of the test's own that remembers every hash at once, as it does for a variant built more than
     two seconds before the next run: the rebuild must not come from a cache that never held the hash."""
     monkeypatch.setenv("LLMOPT_HASH_CACHE", str(tmp_path / "file-hashes.sqlite"))
-    monkeypatch.setattr(tasks.storage, "_RACY_NS", 0)
+    monkeypatch.setattr(tasks.local_files, "_RACY_NS", 0)
 
 
 def test_the_run_s_optimize_stage_rebuilds_a_variant_damaged_keeping_its_size_and_mtime(

@@ -13,8 +13,8 @@ from tasks.config import EvaluateConfig, VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import DataValidationError
+from tasks.local_files import folder_sha256
 from tasks.measure.evaluate import evaluate_perplexity, evaluate_variant
-from tasks.storage import folder_sha256
 from tasks.techniques.optimize import build_variant
 from tests.techniques import CLAIMS, FP32_RECIPES
 
@@ -114,7 +114,7 @@ def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(tiny_base, tmp_
 def test_a_variant_damaged_after_its_build_is_refused_naming_the_file_and_both_hashes(tiny_base, tmp_path):
     import re
 
-    from tasks.errors import ModelSourceError
+    from tasks.errors import ArtifactError
 
     folder = tmp_path / "bf16"
     build_variant("bf16", VariantConfig.model_validate(CLAIMS["bf16"].recipe), tiny_base, "data-hash", folder)
@@ -123,7 +123,7 @@ def test_a_variant_damaged_after_its_build_is_refused_naming_the_file_and_both_h
     data = bytearray(weights.read_bytes())
     data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)  # same size: only the content hash can tell
     weights.write_bytes(bytes(data))
-    with pytest.raises(ModelSourceError) as refused:
+    with pytest.raises(ArtifactError) as refused:
         load_runtime(folder, threads=1)
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{folder}: model.safetensors hashes to ")

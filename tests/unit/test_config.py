@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import Config, RuntimeSettings, VariantConfig, load_config
+from tasks.config import Config, RuntimeSettings, VariantConfig
 from tasks.errors import ConfigError
+from tasks.params_file import load_config
 from tasks.techniques.distill import DistillStep
 from tasks.techniques.onnx_export import OnnxGenAIStep
 from tasks.techniques.prune import PruneStep
@@ -182,7 +183,7 @@ def test_a_setting_of_another_quantization_method_is_refused(tmp_path):
         "variants:\n  baseline: {}\n  q:\n    steps:\n      - quantize: {method: bnb_int8, group_size: 64}\n"
     )
     with pytest.raises(
-        ConfigError, match=r"group_size applies to torchao_int4_weight_only / gptq, not bnb_int8"
+        ConfigError, match=r"group_size applies to torchao_int4_weight_only / gptqmodel, not bnb_int8"
     ):
         load_config(write(tmp_path, text))
 
@@ -206,7 +207,7 @@ def test_repository_full_profile_loads_and_enables_every_step_kind():
     kinds = {step.kind for variant in config.variants.values() for step in variant.steps}
     assert kinds == {"prune", "distill", "quantize", "onnx_genai", "llama_cpp"}
     methods = {s.quantize.method for v in config.variants.values() for s in v.steps if s.quantize}
-    assert methods == set(typing.get_args(QuantizeMethod)) - {"gptq"}  # gptq: GPU targets only
+    assert methods == set(typing.get_args(QuantizeMethod)) - {"gptqmodel"}  # gptqmodel: GPU targets only
     assert config.variants.keys() > load_config(REPO / "params.yaml").variants.keys()
 
 
@@ -239,3 +240,44 @@ def test_llama_cpp_steps_that_cannot_work_are_refused(tmp_path, steps, message):
     params = {"variants": {"baseline": {}, "v": {"steps": steps}}}
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(write(tmp_path, yaml.safe_dump(params)))
+
+
+def test_the_former_spelling_of_the_wrapper_works_keeps_its_hash_and_says_so_once(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("variants:\n  baseline: {}\n  ds:\n    runtime: {engine: deepspeed}\n")
+    notices: list[str] = []
+    config = load_config(params, notices.append)
+    assert config.variants["ds"].runtime.wrapper == "deepspeed"
+    assert notices == [
+        "params.yaml: variants.ds.runtime: engine: deepspeed → wrapper: deepspeed (the former spelling still works, "
+        "for now)"
+    ]
+    renamed = VariantConfig.model_validate({"runtime": {"wrapper": "deepspeed"}})
+    assert renamed.recipe_hash() == config.variants["ds"].recipe_hash() == RECORDED["deepspeed"]["hash"]
+    assert RuntimeSettings().identity()["engine"] == "torch"  # build keys and model hashes read it as before
+
+
+def test_tensorrt_llm_is_refused_in_one_line_where_it_is_written(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("variants:\n  baseline: {}\n  trt:\n    runtime: {engine: tensorrt_llm}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(params, lambda line: None)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "params.yaml: variants.trt.runtime: engine: tensorrt_llm is not built by llmopt"
+    )
+
+
+def test_the_former_name_of_gptqmodel_still_reads_and_is_named_once(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "target: {device: cuda}\nvariants:\n  baseline: {}\n  g:\n    steps:\n      - quantize: {method: gptq}\n"
+    )
+    notices: list[str] = []
+    config = load_config(params, notices.append)
+    assert config.variants["g"].steps[0].settings.method == "gptqmodel"
+    assert notices == [
+        "params.yaml: variants.g.steps[0].quantize: method: gptq → method: gptqmodel "
+        "(the former spelling still works, for now)"
+    ]

@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.storage import code_sha256, file_sha256, folder_sha256, folder_size, staged_file, staged_folder
+from tasks.local_files import code_sha256, file_sha256, folder_sha256, folder_size, staged_file, staged_folder
 
 
 def test_folder_hash_depends_on_content_and_names_not_creation_order(tmp_path):
@@ -86,7 +86,7 @@ def test_the_hash_cache_reads_an_unchanged_file_once_and_a_rewritten_one_again(t
     import os
     import time
 
-    from tasks import storage
+    from tasks import local_files
 
     monkeypatch.setenv("LLMOPT_HASH_CACHE", str(tmp_path / "cache.sqlite"))
     weights = tmp_path / "w" / "weights.bin"
@@ -94,36 +94,38 @@ def test_the_hash_cache_reads_an_unchanged_file_once_and_a_rewritten_one_again(t
     weights.write_bytes(b"\x01" * 1000)
     old = time.time_ns() - 10**10  # ten seconds ago: past the racy window, so the hash may be remembered
     os.utime(weights, ns=(old, old))
-    monkeypatch.setattr(storage, "_RACY_NS", -(10**12))  # ctime is 'now' here; the guard is tested below
+    monkeypatch.setattr(local_files, "_RACY_NS", -(10**12))  # ctime is 'now' here; the guard is tested below
     reads = []
-    real = storage.file_sha256
-    monkeypatch.setattr(storage, "file_sha256", lambda path: reads.append(path) or real(path))
-    first = storage.folder_sha256(weights.parent)
-    assert storage.folder_sha256(weights.parent) == first and len(reads) == 1  # the second look only stats
+    real = local_files.file_sha256
+    monkeypatch.setattr(local_files, "file_sha256", lambda path: reads.append(path) or real(path))
+    first = local_files.folder_sha256(weights.parent)
+    assert (
+        local_files.folder_sha256(weights.parent) == first and len(reads) == 1
+    )  # the second look only stats
     moved_folder = weights.parent.rename(tmp_path / "moved")  # a staged folder moved into place: still known
-    assert storage.folder_sha256(moved_folder) == first and len(reads) == 1
+    assert local_files.folder_sha256(moved_folder) == first and len(reads) == 1
     moved = moved_folder / "weights.bin"
     with moved.open("r+b") as handle:  # same size, and mtime set back as `touch -r` would: ctime still moves
         handle.write(b"\x02")
     os.utime(moved, ns=(old, old))
-    assert storage.folder_sha256(moved_folder) != first and len(reads) == 2
+    assert local_files.folder_sha256(moved_folder) != first and len(reads) == 2
 
 
 def test_a_file_changed_within_the_racy_window_is_not_remembered(tmp_path, monkeypatch):
-    from tasks import storage
+    from tasks import local_files
 
     monkeypatch.setenv("LLMOPT_HASH_CACHE", str(tmp_path / "cache.sqlite"))
     (tmp_path / "f").write_bytes(b"fresh")
     reads = []
-    real = storage.file_sha256
-    monkeypatch.setattr(storage, "file_sha256", lambda path: reads.append(path) or real(path))
-    storage.file_hashes(tmp_path, exclude=("cache.sqlite",))
-    storage.file_hashes(tmp_path, exclude=("cache.sqlite",))
+    real = local_files.file_sha256
+    monkeypatch.setattr(local_files, "file_sha256", lambda path: reads.append(path) or real(path))
+    local_files.file_hashes(tmp_path, exclude=("cache.sqlite",))
+    local_files.file_hashes(tmp_path, exclude=("cache.sqlite",))
     assert len(reads) == 2  # written this second: it could still change within the same timestamp
 
 
 def test_first_difference_names_the_changed_missing_or_extra_file():
-    from tasks.storage import first_difference
+    from tasks.local_files import first_difference
 
     recorded = {"a": "1", "b": "2"}
     assert first_difference({"a": "1", "b": "2"}, recorded) is None

@@ -12,8 +12,8 @@ from mlflow.protos import databricks_pb2
 from prefect.states import Completed, Failed
 from sqlalchemy.exc import OperationalError
 
-from flows.stages import transient_failure
-from tasks.errors import ConfigError, LlmoptError, ModelSourceError, RegistryError
+from flows.retries import transient_failure
+from tasks.errors import ArtifactError, ConfigError, LlmoptError, RegistryError
 
 TRANSIENT = {
     "oserror": OSError("injected transient I/O error"),
@@ -30,7 +30,7 @@ TRANSIENT = {
 PERMANENT = {
     "llmopt_error": LlmoptError("something the user must fix"),
     "registry_error": RegistryError("no version 7 of tiny in the registry"),
-    "corrupted_variant": ModelSourceError("variant baseline: weights hash to 1234, refusing to use it"),
+    "corrupted_variant": ArtifactError("variant baseline: weights hash to 1234, refusing to use it"),
     "config_error": ConfigError("params.yaml: project.name: empty"),
     "mlflow_not_found": MlflowException("no such model", databricks_pb2.RESOURCE_DOES_NOT_EXIST),
     "mlflow_already_exists": MlflowException("exists", databricks_pb2.RESOURCE_ALREADY_EXISTS),

@@ -79,7 +79,7 @@ def test_recipe_params_are_flat_and_carry_the_weight_precision():
     params = recipe_params(manifest)
     assert params["technique"] == "onnx_genai" and params["weight_bits"] == 4
     assert params["onnx_genai.block_size"] == 32 and params["runtime.dtype"] == "float32"
-    gptq = replace(manifest, recipe={"steps": [{"quantize": {"method": "gptq", "bits": 3}}]})
-    assert recipe_params(gptq)["weight_bits"] == 3 and recipe_params(gptq)["quantize.method"] == "gptq"
+    gptq = replace(manifest, recipe={"steps": [{"quantize": {"method": "gptqmodel", "bits": 3}}]})
+    assert recipe_params(gptq)["weight_bits"] == 3 and recipe_params(gptq)["quantize.method"] == "gptqmodel"
     plain = replace(manifest, recipe={"runtime": {"dtype": "bfloat16"}}, dtype="bfloat16")
     assert recipe_params(plain)["technique"] == "runtime" and recipe_params(plain)["weight_bits"] == 16

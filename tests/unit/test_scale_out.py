@@ -9,9 +9,9 @@ import pytest
 
 from flows.cluster import Stored, Workspace, task_runner, workspace
 from tasks.config import Config
-from tasks.errors import ModelSourceError
+from tasks.errors import ArtifactError
 from tasks.report.timeline import Span, overlapping, write_timeline
-from tasks.store import INDEX, FolderStore, folder_key
+from tasks.shared_store import INDEX, FolderStore, folder_key
 
 
 def _folder(path, files=None):
@@ -37,7 +37,7 @@ def test_a_damaged_object_in_the_store_is_refused_naming_the_file_and_nothing_is
     store = FolderStore(str(tmp_path / "store"))
     key = store.put(_folder(tmp_path / "built"))
     (tmp_path / "store" / key / "model.safetensors").write_text("weightz")
-    with pytest.raises(ModelSourceError, match=r"model\.safetensors hashes to .*refusing to use it"):
+    with pytest.raises(ArtifactError, match=r"model\.safetensors hashes to .*refusing to use it"):
         store.get(key, tmp_path / "copy")
     assert not (tmp_path / "copy").exists() and not (tmp_path / "copy.partial").exists()
 
@@ -47,7 +47,7 @@ def test_an_upload_interrupted_before_its_index_is_never_read(tmp_path):
     key = store.put(_folder(tmp_path / "built"))
     (tmp_path / "store" / key / INDEX).unlink()  # as if the uploader died before the last write
     assert not store.has(key)
-    with pytest.raises(ModelSourceError, match="never uploaded, or its upload was interrupted"):
+    with pytest.raises(ArtifactError, match="never uploaded, or its upload was interrupted"):
         store.get(key, tmp_path / "copy")
     assert store.put(tmp_path / "built") == key and store.has(key)  # the next upload completes it
 
@@ -155,7 +155,7 @@ def test_an_index_that_does_not_match_its_key_or_leaves_its_folder_is_refused(tm
     index = tmp_path / "store" / key / INDEX
     hashes = json.loads(index.read_text())
     index.write_text(json.dumps({"../../outside": next(iter(hashes.values()))}))
-    with pytest.raises(ModelSourceError, match="its index does not match its key"):
+    with pytest.raises(ArtifactError, match="its index does not match its key"):
         store.get(key, tmp_path / "copy")
     assert not (tmp_path / "outside").exists()
 
@@ -172,12 +172,14 @@ def test_an_object_missing_from_a_complete_folder_is_one_line_and_leaves_nothing
 
 
 def test_benchmarks_on_another_kind_of_machine_or_beside_other_work_fail_the_run():
-    from flows.stages import _same_machine
     from tasks.errors import ComparisonError
+    from tasks.report.timeline import check_benchmarks_clean
 
     bench = Span("benchmark", "bf16", "w0", "m1", 0.0, 1.0, "aaaa")
-    _same_machine({"hash": "aaaa"}, [bench])
+    check_benchmarks_clean("aaaa", [bench], "benchmark")
     with pytest.raises(ComparisonError, match="different fingerprints"):
-        _same_machine({"hash": "aaaa"}, [bench, Span("benchmark", "x", "w1", "m2", 2.0, 3.0, "bbbb")])
+        check_benchmarks_clean(
+            "aaaa", [bench, Span("benchmark", "x", "w1", "m2", 2.0, 3.0, "bbbb")], "benchmark"
+        )
     with pytest.raises(ComparisonError, match="build int8 ran on m1 during the benchmark of bf16"):
-        _same_machine({"hash": "aaaa"}, [bench, Span("build", "int8", "w1", "m1", 0.5, 2.0)])
+        check_benchmarks_clean("aaaa", [bench, Span("build", "int8", "w1", "m1", 0.5, 2.0)], "benchmark")

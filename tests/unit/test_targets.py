@@ -12,7 +12,7 @@ def config(target: dict | None = None, **runtime) -> Config:
 
 
 def test_runnable_cpu_settings_raise_nothing():
-    check_target(config(attention="eager", kv_cache="quantized", engine="deepspeed", dtype="bfloat16"))
+    check_target(config(attention="eager", kv_cache="quantized", wrapper="deepspeed", dtype="bfloat16"))
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,6 @@ def test_runnable_cpu_settings_raise_nothing():
             "variants.v.runtime.attention: flash_attention_2 needs a cuda",
         ),
         ({}, {"dtype": "float16"}, "variants.v.runtime.dtype: float16 has no fast matmul kernels"),
-        ({}, {"engine": "tensorrt_llm"}, "variants.v.runtime.engine: tensorrt_llm needs an NVIDIA GPU"),
         ({"tensor_parallel": 2}, {}, "target.tensor_parallel: 2 ranks need a multi-GPU cuda target"),
         ({"device": "hpu"}, {}, "target.device: hpu (Gaudi) needs optimum-habana"),
         ({"device": "cuda"}, {}, "target.device: cuda, but this machine has no CUDA GPU"),
@@ -38,12 +37,17 @@ def test_what_the_target_cannot_run_fails_fast_naming_key_and_alternative(target
         check_target(config(target, **runtime))
 
 
-def test_gptq_is_a_gpu_target_step():
+def test_gptqmodel_is_a_gpu_target_step():
     cfg = Config.model_validate(
-        {"variants": {"baseline": {}, "g": {"steps": [{"quantize": {"method": "gptq", "group_size": 128}}]}}}
+        {
+            "variants": {
+                "baseline": {},
+                "g": {"steps": [{"quantize": {"method": "gptqmodel", "group_size": 128}}]},
+            }
+        }
     )
     (problem,) = target_problems(cfg, cuda_available=False)
-    assert problem.startswith("variants.g.steps[0].quantize.method: gptq needs a cuda target")
+    assert problem.startswith("variants.g.steps[0].quantize.method: gptqmodel needs a cuda target")
     assert "onnx_genai int4" in problem
 
 

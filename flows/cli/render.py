@@ -1,0 +1,141 @@
+"""How the command line shows results: rich tables on the console (wide when piped, so CI logs and DVC keep
+every column) and the outcome's last line."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from flows.cli.session import console
+
+
+def print_outcome(outcome, last_line: bool = True) -> None:
+    """The leaderboard, the registration, and as the last line what happened to production and why (unless the
+    caller ends with it as an error)."""
+    print_leaderboard(outcome.leaderboard)
+    reg = outcome.registration
+    if reg is not None and outcome.registered_now:
+        reused = " (same bytes as before, reused)" if reg.reused else ""
+        console.print(
+            f"Registered [bold]{reg.name}[/] version {reg.version}{reused} → alias candidate", soft_wrap=True
+        )
+    for line in outcome.highlights:
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
+    if last_line:
+        console.print(outcome.summary(), soft_wrap=True, highlight=False)
+
+
+def print_load_test(results: list, ceiling: tuple[int, float] | None) -> None:
+    table = Table(title="Load test (greedy, streamed; latencies in ms)")
+    columns = (
+        "clients",
+        "req/s",
+        "tok/s",
+        "TTFT p50",
+        "TTFT p95",
+        "e2e p50",
+        "e2e p95",
+        "decode tok/s",
+        "prefill",
+        "errors",
+    )
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(
+            str(r.concurrency),
+            f"{r.requests_s:.2f}",
+            f"{r.tok_s:.0f}",
+            f"{r.ttft_p50_ms:.0f}",
+            f"{r.ttft_p95_ms:.0f}",
+            f"{r.e2e_p50_ms:.0f}",
+            f"{r.e2e_p95_ms:.0f}",
+            f"{r.decode_tok_s:.0f}",
+            f"{r.prefill_share:.0%}",
+            str(r.errors),
+        )
+    Console(width=None if sys.stdout.isatty() else 130).print(table)  # piped: do not squeeze to 80
+    console.print(
+        "tok/s: generated tokens of all requests per second; decode tok/s: the same inside batched decode steps "
+        "only; prefill: share of the time the engine spent on prompts (every running request waits for it)."
+    )
+    if ceiling:
+        top = results[-1]
+        console.print(
+            f"offline ceiling (pipeline benchmark, decode only, batch {ceiling[0]}): {ceiling[1]:.0f} tok/s; at "
+            f"{top.concurrency} clients the server decodes at {top.decode_tok_s / ceiling[1]:.0%} of it and "
+            f"delivers {top.tok_s / ceiling[1]:.0%} of it end to end"
+        )
+
+
+def print_history(project: str, moves) -> None:
+    """Every decision about production, oldest first."""
+    table = Table(title=f"{project}: production history")
+    for column in ("time (UTC)", "by", "kind", "from", "to", "moved", "reason"):
+        table.add_column(column, overflow="fold")
+    for move in moves:
+        table.add_row(
+            move.time,
+            move.actor,
+            move.kind,
+            f"v{move.from_version}" if move.from_version else "—",
+            f"v{move.to_version}" if move.to_version else "—",
+            "yes" if move.moved else "no",
+            move.reason,
+        )
+    _wide_console().print(table)
+
+
+def print_leaderboard(board) -> None:
+    from tasks.decide.select import table_cells, table_columns
+
+    table = Table(
+        title=f"Leaderboard, objective {board.objective} (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} "
+        f"at {board.confidence:.0%} confidence; ★ winner, ◆ Pareto frontier, ✗ over budget)"
+    )
+    for column in table_columns(board):
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
+    for cells in table_cells(board):
+        table.add_row(*cells)
+    _wide_console().print(table)
+
+
+def print_spread(spread) -> None:
+    table = Table(title="Repeatability: median over trials ± half the spread (max − min) / median")
+    table.add_column("variant", no_wrap=True)
+    metrics = list(dict.fromkeys(row.metric for row in spread))
+    for metric in metrics:
+        table.add_column(metric, justify="right", no_wrap=True)
+    for variant in dict.fromkeys(row.variant for row in spread):
+        cells = {row.metric: row.summary for row in spread if row.variant == variant}
+        table.add_row(variant, *[cells[m] for m in metrics])
+    _wide_console().print(table)
+
+
+def print_comparison(previous: dict, spread) -> None:
+    """Batch-1 decode speed now vs the compared run (same fingerprint), per variant present in both."""
+    table = Table(title="Against the compared run (same machine fingerprint): batch-1 decode tok/s")
+    for column in ("variant", "before", "now", "change", "spread now"):
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
+    for row in spread:
+        trials = previous["trials"].get(row.variant)
+        if row.metric != "decode tok/s bs1" or not trials:
+            continue
+        before = statistics.median(trial["decode_tok_s"] for trial in trials)
+        table.add_row(
+            row.variant,
+            f"{before:.1f}",
+            f"{row.median:.1f}",
+            f"{row.median / before - 1:+.1%}",
+            f"{row.spread:.1%}",
+        )
+    _wide_console().print(table)
+
+
+def _wide_console() -> Console:
+    out = Console()
+    out.width = max(out.width, 200)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
+    return out

@@ -1,0 +1,105 @@
+"""Commands around the server: serve registered models, and drive a running server with a load test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from flows.cli.app import DebugOption, ParamsOption, app
+from flows.cli.render import print_load_test
+from flows.cli.session import CommandSession, console
+from tasks.errors import ConfigError
+
+
+@app.command()
+def serve(
+    params: ParamsOption = Path("params.yaml"),
+    model: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="What to serve, repeatable: a registry alias of this project's model, name@alias or name/version "
+            "(default: serve.models). The first answers requests that name no model.",
+        ),
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default: serve.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: serve.port).")] = None,
+    debug: DebugOption = False,
+) -> None:
+    """Serve registered models over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions (streaming
+    too), TGI-compatible /generate and /generate_stream, /health, /ready, Prometheus /metrics. Concurrent requests
+    are batched per model; when an alias moves (checked every serve.watch_s) the new version is verified, loaded
+    and swapped in without dropping requests. With $LLMOPT_API_KEY set (serve.api_key_env), clients need it."""
+    with CommandSession(debug) as session:
+        config, root = session.setup(params)
+        from serving.app import serve_registered_models
+
+        refs = model or config.serve.models
+        serve_registered_models(config, root, refs, host or config.serve.host, port or config.serve.port)
+
+
+@app.command()
+def loadtest(
+    params: ParamsOption = Path("params.yaml"),
+    url: Annotated[
+        str | None, typer.Option(help="The server (default: http://serve.host:serve.port).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model to drive, as the server names it (default: its first).")
+    ] = None,
+    concurrency: Annotated[
+        str | None, typer.Option(help="Comma-separated levels, e.g. 1,4,16 (default: loadtest.concurrency).")
+    ] = None,
+    requests: Annotated[
+        int | None, typer.Option(help="Requests per level (default: loadtest.requests_per_level).")
+    ] = None,
+    debug: DebugOption = False,
+) -> None:
+    """Drive a running `llmopt serve` at each concurrency level with the same seeded requests (evaluation-split
+    prompts of varied length, varied max_tokens, greedy, streamed); print requests/s, aggregate tok/s, TTFT and
+    end-to-end p50/p95, and log them to MLflow beside the model version served, with the engine's offline batch
+    throughput from the pipeline's benchmark as the reference ceiling."""
+    with CommandSession(debug) as session:
+        config, root = session.setup(params)
+        from serving.loadtest import load_test, log_load_test, offline_ceiling, request_set, served_model
+        from tasks.inputs.data import read_split
+        from tasks.report.tracking import configure_tracking
+
+        cfg = config.loadtest.model_copy(
+            update={k: v for k, v in {"requests_per_level": requests}.items() if v is not None}
+        )
+        levels = _levels(concurrency) if concurrency else cfg.concurrency
+        base = url or f"http://{config.serve.host}:{config.serve.port}"
+        api_key = os.environ.get(config.serve.api_key_env) or None
+        entry = served_model(base, model, api_key)
+        data = root / config.project.workdir / "data"
+        if not (data / "evaluation.jsonl").is_file():
+            raise ConfigError(
+                f"{data}: no prepared evaluation split to draw prompts from; run `llmopt run` first"
+            )
+        batch = request_set(read_split(data, "evaluation"), cfg, config.serve.max_new_tokens)
+        console.print(
+            f"load test: {entry['served_id']} ({entry['variant']}) at {base}, levels {levels}, {len(batch)} requests each"
+        )
+        results = load_test(base, entry["id"], batch, levels, api_key)
+        configure_tracking(config.tracking, root)
+        registered, _, version = entry["served_id"].rpartition("/")
+        ceiling = offline_ceiling(registered, version)
+        settings = {"url": base, "levels": levels, **cfg.model_dump(exclude={"concurrency"})}
+        run_id = log_load_test(config.tracking.experiment, entry, results, ceiling, settings)
+        print_load_test(results, ceiling)
+        console.print(f"logged to MLflow run {run_id} (tag llmopt.loadtest_run on {registered} v{version})")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--concurrency: comma-separated positive integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise ConfigError(f"--concurrency: comma-separated positive integers, got {text!r}")
+    return levels

@@ -1,0 +1,128 @@
+"""One command's session: the configuration, the environment set before Prefect is first imported, the pre-flight
+checks, the full log file, and user errors turned into one red line and an exit code."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from tasks.config import Config
+from tasks.errors import LlmoptError, RegistryError
+from tasks.params_file import load_config
+
+console = Console(stderr=True)
+
+
+class CommandSession:
+    """`with CommandSession(debug) as session:` around a command's body. An LlmoptError becomes one red line and
+    its exit code (--debug keeps the traceback); once the pre-flight checks passed, the log file is named too."""
+
+    def __init__(self, debug: bool) -> None:
+        self.debug = debug
+        self.log_file: Path | None = None  # this command's full log, once the pre-flight checks passed
+
+    def __enter__(self) -> CommandSession:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if (
+            exc is not None
+            and not isinstance(exc, LlmoptError)
+            and not self.debug
+            and self.log_file is not None
+        ):
+            from tasks.report.run_hygiene import tracking_unreachable
+
+            story = tracking_unreachable(exc)  # a registry that vanished mid-run is the user's to restart
+            if story:
+                with self.log_file.open("a") as log:  # the full story stays in the log
+                    log.write("".join(traceback.format_exception(exc)))
+                exc = RegistryError(story)
+        if isinstance(exc, LlmoptError) and not self.debug:
+            if self.log_file is not None:
+                console.print(
+                    f"[dim]full log: {self.log_file} (--debug shows it all here)[/]",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code)
+        return False
+
+    def setup(self, params: Path) -> tuple[Config, Path]:
+        """The validated config and the project root, with the embedded environment defaults set."""
+        self.log_file = None  # set again once this command's pre-flight checks pass
+        config = load_config(params, _print_deprecated)
+        root = params.resolve().parent
+        _configure_environment(root / config.project.workdir, self.debug)
+        return config, root
+
+    def flow_run(
+        self, params: Path, command: str, extra_checks=(), starts_services: bool = False
+    ) -> tuple[Config, Path]:
+        """Config, the pre-flight checks (all of them, before Prefect starts), Prefect's home folder, and (unless
+        --debug) the console filtered, everything kept in `.llmopt/logs/<command>-<time>.log`."""
+        config, root = self.setup(params)
+        from tasks.preflight import preflight
+
+        preflight(config, root, extra_checks, starts_services)
+        # Prefect's embedded server needs its home folder to exist before it opens its database there.
+        Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+        if not self.debug:
+            from flows.logs import route_logs
+
+            self.log_file = route_logs(root / config.project.workdir, command)
+        return config, root
+
+    def scheduled(self, params: Path) -> tuple[Config, Path]:
+        """Prefect pointed at the Prefect server (before Prefect is first imported: it reads its settings once),
+        the pre-flight checks (the schedule's too), then the services up."""
+        from flows.services import prefect_api_url, start
+
+        os.environ["PREFECT_API_URL"] = prefect_api_url(load_config(params, notice=lambda _line: None))
+        os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
+        config, root = self.flow_run(params, "schedule", (_check_schedule,), starts_services=True)
+        each_service(config, params, start)
+        return config, root
+
+
+def _print_deprecated(line: str) -> None:
+    console.print(f"[yellow]deprecated:[/] {line}", highlight=False, soft_wrap=True)
+
+
+def each_service(config: Config, params: Path, action, last_first: bool = False) -> None:
+    """Apply `action` (start, stop, status) to every configured service and print its one-line answer."""
+    from flows.services import configured_services
+
+    services = configured_services(config, params.resolve().parent)
+    for service in reversed(services) if last_first else services:
+        console.print(action(service), soft_wrap=True, highlight=False)
+
+
+def _check_schedule(config: Config) -> None:
+    from flows.schedule import (
+        check_schedule,
+    )  # imports Prefect: only once its settings are in the environment
+
+    check_schedule(config)
+
+
+def _configure_environment(workdir: Path, debug: bool) -> None:
+    """Embedded defaults (Prefect home inside the project, offline hub) before Prefect is first imported."""
+    os.environ.setdefault("PREFECT_HOME", str(workdir / "prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    if not debug:
+        from tasks.quiet import quiet_libraries
+
+        quiet_libraries()
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
