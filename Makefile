@@ -11,7 +11,7 @@ LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast techniques-table lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
+.PHONY: help run test test-fast docs techniques-table lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -21,16 +21,20 @@ run: install corpus ## install if needed, reproduce the pipeline with DVC, push 
 	dvc push --quiet
 	@echo "Next: 'make ui' (MLflow UI on :5000) or 'make serve' (OpenAI-style server on :8000)."
 
-test: install ## lint + the whole test suite (unit, data, model, integration incl. slow end-to-end)
+test: install ## lint, the strict docs build, and the whole test suite (unit, data, model, integration incl. slow end-to-end)
 	ruff check .
 	ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	pytest
 
 test-fast: install ## the suite without the slow end-to-end tests
 	pytest -m "not slow"
 
-techniques-table: install ## regenerate the README's technique table from the technique registry
-	$(VENV)/bin/python -m tasks.techniques.registry README.md
+docs: install ## build the documentation strictly (mkdocs build --strict) into .llmopt/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+techniques-table: install ## regenerate the technique table in docs/techniques.md from the technique registry
+	$(VENV)/bin/python -m tasks.techniques.registry docs/techniques.md
 
 lint: install ## ruff lint and format check
 	ruff check . && ruff format --check .

@@ -3,7 +3,7 @@
 A technique is a `Technique` subclass decorated with `@register`: its step key in params.yaml, its settings model
 (with every default), its role in a recipe, how it applies or exports, what it stores (bits per weight for the
 report), what it needs (packages) and what a target cannot run of it. The recipe schema (`tasks.config.Step`), the
-order rules, the target checks, the report's bit column, a registered model's requirements and the README's
+order rules, the target checks, the report's bit column, a registered model's requirements and the docs'
 technique table are all derived from this registry; no other module lists techniques.
 
 Built-in techniques are the modules in `BUILT_IN`. Others load from the `llmopt.techniques` entry-point group
@@ -226,7 +226,7 @@ def defaults_text(settings: type[Strict], names: tuple[str, ...]) -> str:
 
 
 def technique_table() -> str:
-    """The README's technique table (markdown), from every registered technique's rows."""
+    """The docs' technique table (docs/techniques.md) (markdown), from every registered technique's rows."""
     lines = ["| step | settings (defaults) | what it does, honestly |", "|---|---|---|"]
     for entry in TECHNIQUES.values():
         for row in entry.rows():
@@ -246,10 +246,10 @@ def write_table_into(document: Path) -> None:
     document.write_text(f"{text[:start]}\n{technique_table()}\n{text[end:]}")
 
 
-if __name__ == "__main__":  # `make techniques-table`
+if __name__ == "__main__":  # `make techniques-table`; the table's page is docs/techniques.md unless named
     import sys
 
     import tasks.config  # noqa: F401  (loads the registry: the module, not this __main__ copy of it)
     from tasks.techniques import registry
 
-    registry.write_table_into(Path(sys.argv[1]))
+    registry.write_table_into(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/techniques.md"))
