@@ -22,28 +22,28 @@ app.add_typer(services_app, name="services")
 @services_app.command("up")
 def services_up(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Start the configured services in the background (no-op for those already up) and wait until they answer."""
-    with CommandSession(debug):
+    with CommandSession(debug) as session:
         from flows.services import start
 
-        each_service(load_config(params), params, start)
+        each_service(load_config(params, session.notice), params, start)
 
 
 @services_app.command("down")
 def services_down(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Stop the services llmopt started (their data stays under project.workdir/services)."""
-    with CommandSession(debug):
+    with CommandSession(debug) as session:
         from flows.services import stop
 
-        each_service(load_config(params), params, stop, last_first=True)
+        each_service(load_config(params, session.notice), params, stop, last_first=True)
 
 
 @services_app.command("status")
 def services_status(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Whether each configured service is up and answering."""
-    with CommandSession(debug):
+    with CommandSession(debug) as session:
         from flows.services import status
 
-        each_service(load_config(params), params, status)
+        each_service(load_config(params, session.notice), params, status)
 
 
 @app.command()

@@ -24,6 +24,7 @@ class CommandSession:
     def __init__(self, debug: bool) -> None:
         self.debug = debug
         self.log_file: Path | None = None  # this command's full log, once the pre-flight checks passed
+        self._noticed: set[str] = set()  # deprecation lines already printed (a command may read params twice)
 
     def __enter__(self) -> CommandSession:
         return self
@@ -53,10 +54,16 @@ class CommandSession:
             raise typer.Exit(exc.exit_code)
         return False
 
+    def notice(self, line: str) -> None:
+        """A deprecation line, printed once per command."""
+        if line not in self._noticed:
+            self._noticed.add(line)
+            console.print(f"[yellow]deprecated:[/] {line}", highlight=False, soft_wrap=True)
+
     def setup(self, params: Path) -> tuple[Config, Path]:
         """The validated config and the project root, with the embedded environment defaults set."""
         self.log_file = None  # set again once this command's pre-flight checks pass
-        config = load_config(params, _print_deprecated)
+        config = load_config(params, self.notice)
         root = params.resolve().parent
         _configure_environment(root / config.project.workdir, self.debug)
         return config, root
@@ -88,10 +95,6 @@ class CommandSession:
         config, root = self.flow_run(params, "schedule", (_check_schedule,), starts_services=True)
         each_service(config, params, start)
         return config, root
-
-
-def _print_deprecated(line: str) -> None:
-    console.print(f"[yellow]deprecated:[/] {line}", highlight=False, soft_wrap=True)
 
 
 def each_service(config: Config, params: Path, action, last_first: bool = False) -> None:

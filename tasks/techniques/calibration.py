@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.errors import BuildError
+
 WINDOW_TOKENS = 256  # tokens per calibration window, for every technique that calibrates
 
 
@@ -38,6 +40,8 @@ def capture_inputs(
     where rows is the input reshaped to (tokens, features); `progress(done, total)` after each window."""
     import torch
 
+    if not windows:
+        raise BuildError("the calibration split gave no token windows (it is shorter than 8 tokens)")
     sums: dict[str, Any] = dict.fromkeys(modules, 0)
 
     def hook(name: str) -> Callable[..., None]:
@@ -60,7 +64,8 @@ def capture_inputs(
     finally:
         for handle in handles:
             handle.remove()
-    return InputStatistics(sums, tokens)
+    seen = {name: total for name, total in sums.items() if not isinstance(total, int)}  # a module never run
+    return InputStatistics(seen, tokens)
 
 
 def mean_square(rows: Any) -> Any:
@@ -75,7 +80,7 @@ def mean_absolute(rows: Any) -> Any:
 
 
 def unit_token_gram(rows: Any) -> Any:
-    """XᵀX in float64 with every token's input scaled to unit length first (GPTQ's Hessian; see gptq.py why)."""
+    """XᵀX in float64 with every token's input scaled to unit length first (GPTQ's Hessian; see gptq_rounding.py why)."""
     rows = rows.double()
     rows = rows / rows.norm(dim=1, keepdim=True).clamp(min=1e-12)
     return rows.T @ rows

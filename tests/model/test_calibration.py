@@ -127,3 +127,10 @@ def test_a_window_count_is_refused_where_nothing_calibrates(step, named):
 def test_window_counts_left_unset_keep_recipe_hashes():
     explicit = VariantConfig.model_validate({"steps": [{"onnx_genai": {"rounding": "gptq"}}]})
     assert "gptq_windows" not in str(explicit.recipe())
+
+
+def test_a_calibration_split_with_no_windows_is_one_clear_error(model):
+    from tasks.errors import BuildError
+
+    with pytest.raises(BuildError, match="the calibration split gave no token windows"):
+        capture_inputs(model, {"lm_head": model.lm_head}, [], mean_square)
