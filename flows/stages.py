@@ -121,6 +121,7 @@ def evaluate_task(
                 saved,
                 config.target.threads,
                 update,
+                device=config.target.device,
             )
         if reused:
             get_run_logger().info(f"{built.name}: evaluation unchanged since the last run, reused")
@@ -132,23 +133,25 @@ def benchmark_task(
     name: str, stored: Stored, config: Config, prompt_text: str, space: Workspace
 ) -> tuple[BenchmarkResult, Span]:
     folder = space.fetch(stored)  # before the clock: a download is not part of the measurement
-    machine = str(machine_fingerprint(config.target.threads)["hash"])
+    machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
     with timed("benchmark", name, machine) as span:
-        result = benchmark_in_fresh_process(folder, config.benchmark, prompt_text, config.target.threads)
+        result = benchmark_in_fresh_process(
+            folder, config.benchmark, prompt_text, config.target.threads, config.target.device
+        )
     return result, span[0]
 
 
 @task(name="fingerprint", cache_policy=NO_CACHE)
 def fingerprint_task(config: Config) -> dict:
-    return machine_fingerprint(config.target.threads)
+    return machine_fingerprint(config.target.threads, config.target.device)
 
 
 @task(name="bandwidth", cache_policy=NO_CACHE)
 def bandwidth_task(config: Config) -> tuple[float, Span]:
     """The benchmark machine's memory read bandwidth (the roofline for decode speed)."""
-    machine = str(machine_fingerprint(config.target.threads)["hash"])
+    machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
     with timed("bandwidth", "memory", machine) as span:
-        bandwidth = memory_read_bandwidth_gbs(config.target.threads)
+        bandwidth = memory_read_bandwidth_gbs(config.target.threads, device=config.target.device)
     return bandwidth, span[0]
 
 

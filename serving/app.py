@@ -199,9 +199,12 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
         version = version or current_version(name, alias)
         if version is None:
             raise RegistryError(f"no model version {name}@{alias} in the registry; run `llmopt run` first")
-        model = ServedModel(name, alias, load_version(name, version, config.target.threads, limits, metrics))
+        target = config.target
+        model = ServedModel(
+            name, alias, load_version(name, version, target.threads, limits, metrics, target.device)
+        )
         if alias and settings.watch_s > 0:
-            watch_alias(model, config.target.threads, settings.watch_s, limits, metrics)
+            watch_alias(model, target.threads, settings.watch_s, limits, metrics, target.device)
         served.append(model)
     app = create_app(ModelRouter(served), settings, metrics)
     # uvicorn lets in-flight requests (streams included) finish on SIGTERM/Ctrl-C before the lifespan shutdown,

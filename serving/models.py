@@ -116,14 +116,16 @@ def serve_runtime(
     return ServedModel(name, None, LoadedModel(version, runtime, scheduler))
 
 
-def load_version(model_name: str, version: str, threads: int, limits: Limits, metrics: Any) -> LoadedModel:
+def load_version(
+    model_name: str, version: str, threads: int, limits: Limits, metrics: Any, device: str = "cpu"
+) -> LoadedModel:
     """Download a registered version, check its bytes against the hash the registry recorded, load and warm it."""
     from tasks.decide.registry import download_verified
     from tasks.engines import load_runtime
 
     scratch = tempfile.TemporaryDirectory(prefix=f"llmopt-serve-v{version}-")
     try:
-        runtime = load_runtime(download_verified(model_name, version, Path(scratch.name)), threads)
+        runtime = load_runtime(download_verified(model_name, version, Path(scratch.name)), threads, device)
     except BaseException:
         scratch.cleanup()
         raise
@@ -133,7 +135,7 @@ def load_version(model_name: str, version: str, threads: int, limits: Limits, me
 
 
 def watch_alias(
-    served: ServedModel, threads: int, every_s: float, limits: Limits, metrics: Any
+    served: ServedModel, threads: int, every_s: float, limits: Limits, metrics: Any, device: str = "cpu"
 ) -> threading.Thread:
     """A daemon thread that swaps in the version `served.alias` points to whenever it moves (every `every_s`)."""
 
@@ -148,7 +150,7 @@ def watch_alias(
         if version in refused:
             return
         try:
-            loaded = load_version(served.registered, version, threads, limits, metrics)
+            loaded = load_version(served.registered, version, threads, limits, metrics, device)
         except Exception as exc:  # keep serving the old model and say why in /health
             if isinstance(exc, LlmoptError):
                 refused.add(version)  # its bytes or its registration are wrong: retrying cannot help

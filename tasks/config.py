@@ -79,9 +79,19 @@ class BenchmarkConfig(Strict):
 
 
 class TargetConfig(Strict):
-    device: Literal["cpu", "cuda", "hpu"] = "cpu"
+    # where models run: cpu, cuda (the first visible GPU) or cuda:N; hpu is recognised only to be refused
+    device: Annotated[str, Field(pattern=r"^(cpu|cuda(:[0-9]+)?|hpu)$")] = "cpu"
     threads: Annotated[int, Field(ge=1, le=1024)] = 2
     tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1  # DeepSpeed tensor-parallel degree (GPU targets)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def cuda_index(self) -> int:
+        """The GPU a cuda target names (0 for plain `cuda`)."""
+        return int(self.device.partition(":")[2] or 0)
 
 
 class SelectConfig(Strict):

@@ -2,43 +2,75 @@
 
 from __future__ import annotations
 
-from tasks.config import Config
+import importlib.util
+
+from tasks.config import Config, RuntimeSettings
 from tasks.errors import TargetError
 
 
-def target_problems(config: Config, cuda_available: bool) -> list[str]:
-    """Every setting the target cannot honour, as 'key: why; alternative' lines (empty when all is runnable)."""
+def target_problems(config: Config, cuda_available: bool, cuda_devices: int | None = None) -> list[str]:
+    """Every setting the target cannot honour, as 'key: why; alternative' lines (empty when all is runnable).
+    `cuda_devices`: how many GPUs torch sees (default: one if `cuda_available`)."""
     target = config.target
-    problems = []
+    visible = (1 if cuda_available else 0) if cuda_devices is None else cuda_devices
+    problems = _device_problems(config, visible)
+    for name, variant in config.variants.items():
+        problems += _runtime_problems(
+            f"variants.{name}.runtime", variant.runtime, target.device, target.is_cuda
+        )
+        for index, step in enumerate(variant.steps):
+            key = f"variants.{name}.steps[{index}].{step.kind}"
+            problems += step.technique.problems(key, step.settings, config, cuda_available)
+    return problems
+
+
+def _device_problems(config: Config, visible: int) -> list[str]:
+    target, problems = config.target, []
     if target.device == "hpu":
         problems.append(
             "target.device: hpu (Gaudi) needs optimum-habana, which llmopt does not drive; use cpu or cuda"
         )
-    if target.device == "cuda":
+    if target.is_cuda and visible == 0:
         problems.append(
-            "target.device: cuda"
-            + ("" if cuda_available else ", but this machine has no CUDA GPU (torch sees none);")
-            + " llmopt's runtimes place models on the CPU only so far (untested on GPUs); use cpu"
+            f"target.device: {target.device}, but no CUDA device is visible (torch sees none); use cpu"
         )
-    if target.device != "cuda" and target.tensor_parallel > 1:
+    elif target.is_cuda and target.cuda_index >= visible:
+        problems.append(
+            f"target.device: {target.device}, but torch sees {visible} CUDA device(s) (cuda:0…cuda:{visible - 1}); "
+            "use one of them"
+        )
+    if not target.is_cuda and target.tensor_parallel > 1:
         problems.append(
             f"target.tensor_parallel: {target.tensor_parallel} ranks need a multi-GPU cuda target "
             "(DeepSpeed AutoTP on CPU crashes at 2 ranks); use 1"
         )
-    for name, variant in config.variants.items():
-        where, runtime = f"variants.{name}.runtime", variant.runtime
-        if runtime.attention == "flash_attention_2" and target.device != "cuda":
-            problems.append(
-                f"{where}.attention: flash_attention_2 needs a cuda target, not {target.device}; use sdpa"
-            )
-        if runtime.dtype == "float16" and target.device == "cpu":
-            problems.append(
-                f"{where}.dtype: float16 has no fast matmul kernels on a cpu target (it runs slower than "
-                "float32); use bfloat16"
-            )
-        for index, step in enumerate(variant.steps):
-            key = f"variants.{name}.steps[{index}].{step.kind}"
-            problems += step.technique.problems(key, step.settings, config, cuda_available)
+    elif target.tensor_parallel > 1:
+        problems.append(
+            f"target.tensor_parallel: {target.tensor_parallel} ranks are not launched by llmopt yet (one GPU per "
+            "variant so far); use 1"
+        )
+    return problems
+
+
+def _runtime_problems(where: str, runtime: RuntimeSettings, device: str, cuda: bool) -> list[str]:
+    problems = []
+    if runtime.attention == "flash_attention_2" and not cuda:
+        problems.append(f"{where}.attention: flash_attention_2 needs a cuda target, not {device}; use sdpa")
+    elif runtime.attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        problems.append(
+            f"{where}.attention: flash_attention_2 needs the flash-attn package, which is not installed (it has no "
+            "wheel; transformers would fetch kernels from the hub, impossible offline); use sdpa"
+        )
+    if runtime.dtype == "float16" and device == "cpu":
+        problems.append(
+            f"{where}.dtype: float16 has no fast matmul kernels on a cpu target (it runs slower than "
+            "float32); use bfloat16"
+        )
+    if runtime.wrapper == "deepspeed" and cuda:
+        problems.append(
+            f"{where}.wrapper: deepspeed is set up for CPU inference here (world size 1, no kernel injection); "
+            "on cuda leave wrapper at none"
+        )
     return problems
 
 
@@ -46,7 +78,7 @@ def check_target(config: Config) -> None:
     """Raise one TargetError listing what the target cannot run (fail fast, never skip silently)."""
     import torch
 
-    problems = target_problems(config, torch.cuda.is_available())
+    problems = target_problems(config, torch.cuda.is_available(), torch.cuda.device_count())
     if problems:
         more = f" (+{len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
         raise TargetError(f"target {config.target.device}: {problems[0]}{more}")

@@ -11,7 +11,7 @@ from pathlib import Path
 from tasks.engines import llama_cpp, onnx_genai, pytorch
 from tasks.engines.contract import Runtime
 from tasks.engines.manifest import verify_variant
-from tasks.errors import ArtifactError
+from tasks.errors import ArtifactError, TargetError
 
 ENGINES: dict[str, type[Runtime]] = {
     pytorch.ENGINE: pytorch.TorchRuntime,
@@ -22,10 +22,16 @@ ENGINES: dict[str, type[Runtime]] = {
 __all__ = ["ENGINES", "Runtime", "load_runtime"]
 
 
-def load_runtime(folder: Path, threads: int) -> Runtime:
-    """Open the variant in `folder` with the engine its manifest names (`threads` unless the recipe sets them),
-    once its bytes are verified against the manifest's content hash (a damaged file is an ArtifactError)."""
+def load_runtime(folder: Path, threads: int, device: str = "cpu") -> Runtime:
+    """Open the variant in `folder` with the engine its manifest names, on `device` (params.yaml target.device)
+    with `threads` CPU threads unless the recipe sets them, once its bytes are verified against the manifest's
+    content hash (a damaged file is an ArtifactError)."""
     manifest = verify_variant(folder)
     if manifest.engine not in ENGINES:
         raise ArtifactError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(ENGINES)}")
-    return ENGINES[manifest.engine](folder, manifest, manifest.runtime_settings().threads or threads)
+    engine = ENGINES[manifest.engine]
+    if device.partition(":")[0] not in engine.DEVICES:
+        raise TargetError(
+            f"{folder}: the {manifest.engine} engine runs on {', '.join(engine.DEVICES)}, not {device}"
+        )
+    return engine(folder, manifest, manifest.runtime_settings().threads or threads, device)

@@ -49,6 +49,7 @@ class Runtime(abc.ABC):
     manifest: VariantManifest  # how the variant was built; engine and weights format included
     tokenizer: Any  # the variant's Hugging Face tokenizer (see the module docstring: shared by every engine)
     context_length: int  # the most tokens (prompt + continuation, or one scored sequence) the model takes
+    DEVICES: tuple[str, ...] = ("cpu",)  # the device kinds the engine places models on (`cuda` covers cuda:N)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special tokens added (no BOS)."""

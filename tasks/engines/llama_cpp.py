@@ -77,7 +77,7 @@ class GgufModel:
 class LlamaCppRuntime(Runtime):
     """One GGUF model; a llama.cpp context per call shape, kept while the next call fits in it."""
 
-    def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
+    def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
         from transformers import AutoTokenizer
 
         self.manifest = manifest

@@ -19,7 +19,7 @@ ONNX_GENAI = "onnx-genai"  # the weights format: the builder's output folder (ge
 class OrtGenAIRuntime(Runtime):
     """ONNX Runtime GenAI's `og.Model`, driven through `og.Generator` (not thread-safe: one caller at a time)."""
 
-    def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
+    def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
         import onnxruntime_genai as og
         from transformers import AutoTokenizer
 

@@ -1,4 +1,5 @@
-"""The PyTorch engine: transformers eager execution on CPU (optionally inside DeepSpeed's inference engine)."""
+"""The PyTorch engine: transformers eager execution on the CPU or a CUDA GPU (on CPU optionally inside DeepSpeed's
+inference engine). The device comes from params.yaml target.device, through `load_runtime`."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ KV_RESIDUAL_TOKENS = (
 
 
 class TorchRuntime(Runtime):
-    """PyTorch + transformers on CPU. `model` is the loaded transformers model (engine-specific, for tests and
-    tools that inspect torch internals; measuring code uses only the Runtime contract)."""
+    """PyTorch + transformers on `device`. `model` is the loaded transformers model (engine-specific, for tests
+    and tools that inspect torch internals; measuring code uses only the Runtime contract)."""
 
-    def __init__(self, folder: Path, manifest: VariantManifest, threads: int) -> None:
+    DEVICES = ("cpu", "cuda")
+
+    def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -33,7 +36,8 @@ class TorchRuntime(Runtime):
             self.model = load_torch_model(folder, manifest.weights_format, manifest.dtype, settings)
         except (OSError, RuntimeError, ValueError) as exc:
             raise ArtifactError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
-        self.model.eval()
+        self.device = torch.device(device)
+        self.model.eval().to(self.device)
         self.context_length = self.model.config.max_position_embeddings
         if settings.wrapper == "deepspeed":
             self.model = deepspeed_engine(self.model, manifest.dtype)
@@ -47,14 +51,14 @@ class TorchRuntime(Runtime):
         results = []
         with self._no_grad():
             for ids in sequences:
-                tensor = torch.tensor([ids])
+                tensor = torch.tensor([ids], device=self.device)
                 logits = self.model(input_ids=tensor).logits[0, :-1].float()
                 nll = torch.nn.functional.cross_entropy(logits, tensor[0, 1:], reduction="sum")
                 results.append((float(nll), len(ids) - 1))
         return results
 
     def batch_decoder(self) -> TorchBatchDecoder:
-        return TorchBatchDecoder(self.model, self._no_grad)
+        return TorchBatchDecoder(self.model, self._no_grad, self.device)
 
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
@@ -64,8 +68,8 @@ class TorchRuntime(Runtime):
         extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
         with self._no_grad():
             generated = self.model.generate(
-                input_ids=torch.tensor(batch),
-                attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long),
+                input_ids=torch.tensor(batch, device=self.device),
+                attention_mask=torch.ones(len(batch), len(batch[0]), dtype=torch.long, device=self.device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id or self.eos_token_id,
@@ -80,8 +84,8 @@ class TorchBatchDecoder(BatchDecoder):
     batch of different lengths can change fp32 results in PyTorch, so sequences share the decoder's turns but
     not its matrix products. The recipe's KV-cache setting (static, quantized) applies to `generate` only."""
 
-    def __init__(self, model: Any, no_grad: Any) -> None:
-        self._model, self._no_grad = model, no_grad
+    def __init__(self, model: Any, no_grad: Any, device: Any) -> None:
+        self._model, self._no_grad, self._device = model, no_grad, device
         self._caches: dict[int, Any] = {}
         self._next_id = 0
 
@@ -94,8 +98,10 @@ class TorchBatchDecoder(BatchDecoder):
 
         self.steps += 1
         with self._no_grad():
-            out = self._model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-        return out.logits[0, -1].float().numpy(), out.past_key_values
+            out = self._model(
+                input_ids=torch.tensor([ids], device=self._device), past_key_values=cache, use_cache=True
+            )
+        return out.logits[0, -1].float().cpu().numpy(), out.past_key_values
 
     def add(self, prompt: list[int]) -> tuple[int, Any]:
         logits, cache = self._forward(prompt, None)

@@ -203,11 +203,14 @@ def stored_tensor_bytes(folder: Path) -> dict[str, int]:
     return tensors
 
 
-def benchmark_variant(folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int) -> BenchmarkResult:
-    """Load the variant and measure TTFT, decode speed per batch size and latency over the request set."""
+def benchmark_variant(
+    folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int, device: str = "cpu"
+) -> BenchmarkResult:
+    """Load the variant on `device` and measure TTFT, decode speed per batch size and latency over the request
+    set (every timed call returns token ids to the host, so a GPU's queued work is inside the timing)."""
     rss_before = _rss_mb()
     start = time.perf_counter()
-    runtime = load_runtime(folder, threads)
+    runtime = load_runtime(folder, threads, device)
     load_s = time.perf_counter() - start
     ids = runtime.encode(prompt_text)
     if not ids:
@@ -280,11 +283,23 @@ def median_trial(trials: list[BenchmarkResult]) -> BenchmarkResult:
     return speeds[(len(speeds) - 1) // 2]
 
 
-def memory_read_bandwidth_gbs(threads: int, megabytes: int = 512, trials: int = 10) -> float:
-    """The machine's memory read bandwidth: best of `trials` sums over a buffer far larger than the caches."""
+def memory_read_bandwidth_gbs(threads: int, megabytes: int = 512, trials: int = 10, device: str = "cpu") -> float:
+    """The target's memory bandwidth: on the CPU the best of `trials` sums over a buffer far larger than the
+    caches; on a GPU the best device-to-device copy (bytes read plus written per second, synchronized)."""
     import torch
 
     torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+        target = torch.empty_like(source)
+
+        def copy() -> None:
+            target.copy_(source)
+            torch.cuda.synchronize(device)
+
+        copy()  # the first copy pays for allocation and launch set-up
+        best = min(_timed(copy) for _ in range(trials))
+        return 2 * source.numel() * 4 / best / 1e9
     buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     best = min(_timed(buffer.sum) for _ in range(trials))
     return buffer.numel() * 4 / best / 1e9
@@ -302,25 +317,25 @@ def _timed(call: Callable[[], object]) -> float:
 
 
 def benchmark_in_fresh_process(
-    folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int
+    folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int, device: str = "cpu"
 ) -> BenchmarkResult:
     """Run `benchmark_variant` in a newly spawned interpreter and return its result."""
     from tasks.quiet import output_to_log_file
 
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=output_to_log_file) as pool:
-        future = pool.submit(_benchmark_as_dict, str(folder), cfg.model_dump(), prompt_text, threads)
+        future = pool.submit(_benchmark_as_dict, str(folder), cfg.model_dump(), prompt_text, threads, device)
         failpoint("benchmark")  # tests: SIGKILL while the benchmark process runs
         result = future.result()
     result["batches"] = [BatchSpeed(**batch) for batch in result["batches"]]
     return BenchmarkResult(**result)
 
 
-def _benchmark_as_dict(folder: str, cfg: dict, prompt_text: str, threads: int) -> dict:
+def _benchmark_as_dict(folder: str, cfg: dict, prompt_text: str, threads: int, device: str) -> dict:
     from tasks.quiet import quiet_libraries
 
     quiet_libraries()  # a spawned interpreter does not inherit the CLI's warning filters and log levels
-    return asdict(benchmark_variant(Path(folder), BenchmarkConfig(**cfg), prompt_text, threads))
+    return asdict(benchmark_variant(Path(folder), BenchmarkConfig(**cfg), prompt_text, threads, device))
 
 
 def _peak_rss_mb() -> float:

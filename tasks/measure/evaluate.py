@@ -176,9 +176,14 @@ def _first_word(text: str) -> str:
 
 
 def evaluation_key(
-    model_hash: str, texts: list[str], cfg: EvaluateConfig, reference: list[list[int]] | None
+    model_hash: str,
+    texts: list[str],
+    cfg: EvaluateConfig,
+    reference: list[list[int]] | None,
+    device: str = "cpu",
 ) -> str:
-    """Identity of an evaluation: same model (bytes and runtime settings), evaluation text, settings, reference and measuring code."""
+    """Identity of an evaluation: same model (bytes and runtime settings), evaluation text, settings, reference,
+    device (a GPU's kernels round differently) and measuring code."""
     import hashlib
     import json
     from importlib import metadata
@@ -188,6 +193,7 @@ def evaluation_key(
         "texts": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
         "settings": cfg.model_dump(mode="json"),
         "reference": reference,
+        "device": device,
         "code": code_sha256(MEASURING_MODULES),
         "versions": [metadata.version(p) for p in ("torch", "transformers", "onnxruntime-genai")],
     }
@@ -232,14 +238,15 @@ def evaluate_or_reuse(
     saved: Path,
     threads: int,
     progress: Callable[[int, int], None] | None = None,
+    device: str = "cpu",
 ) -> tuple[VariantEvaluation, bool]:
     """(evaluation, reused): the evaluation saved in `saved` when its key (bytes, text, settings, reference,
     measuring code) still matches, else a fresh one through the variant's Runtime, saved for next time."""
-    key = evaluation_key(manifest.model_hash, texts, cfg, reference)
+    key = evaluation_key(manifest.model_hash, texts, cfg, reference, device)
     previous = load_evaluation(saved, key)
     if previous is not None:
         return previous, True
-    evaluation = evaluate_variant(load_runtime(folder, threads), texts, cfg, reference, progress)
+    evaluation = evaluate_variant(load_runtime(folder, threads, device), texts, cfg, reference, progress)
     failpoint("evaluate")  # tests: SIGKILL with the evaluation measured, not yet saved
     save_evaluation(saved, key, evaluation)
     return evaluation, False

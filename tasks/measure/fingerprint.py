@@ -26,8 +26,9 @@ INTERESTING_FLAGS = (
 PACKAGES = ("torch", "transformers", "onnxruntime", "onnxruntime-genai")
 
 
-def machine_fingerprint(threads: int) -> dict[str, object]:
-    """CPU model and flags, cores, threads used, memory, OS, Python and library versions, git commit."""
+def machine_fingerprint(threads: int, device: str = "cpu") -> dict[str, object]:
+    """CPU model and flags, cores, threads used, memory, OS, Python and library versions, git commit; on a cuda
+    target also the GPU (name, compute capability, memory, driver's CUDA version)."""
     cpu = _cpuinfo()
     fingerprint: dict[str, object] = {
         "cpu_model": cpu.get("model name", platform.processor() or "unknown"),
@@ -38,12 +39,26 @@ def machine_fingerprint(threads: int) -> dict[str, object]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "packages": {name: _version(name) for name in PACKAGES},
-        "gpu": None,
+        "gpu": gpu_facts(device) if device.startswith("cuda") else None,
         "git_commit": git_commit(Path.cwd()),
         "host": socket.gethostname(),  # where it ran (not part of the identity: same hardware, same hash)
     }
     fingerprint["hash"] = fingerprint_hash(fingerprint)
     return fingerprint
+
+
+def gpu_facts(device: str) -> dict[str, object]:
+    """What identifies the GPU a cuda target measures on."""
+    import torch
+
+    index = torch.device(device).index or 0
+    properties = torch.cuda.get_device_properties(index)
+    return {
+        "name": properties.name,
+        "capability": f"{properties.major}.{properties.minor}",
+        "memory_gib": round(properties.total_memory / 2**30, 1),
+        "cuda": torch.version.cuda,
+    }
 
 
 def fingerprint_hash(fingerprint: dict[str, object]) -> str:

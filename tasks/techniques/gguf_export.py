@@ -106,6 +106,11 @@ class LlamaCpp(Technique):
         import importlib.util
 
         problems = []
+        if config.target.is_cuda:
+            problems.append(
+                f"{where}: llama.cpp is built for the CPU here (no CUDA backend); on {config.target.device} use "
+                "torch variants (runtime.dtype bfloat16 or float16)"
+            )
         if importlib.util.find_spec("llama_cpp") is None:
             problems.append(
                 f"{where}: needs llama-cpp-python, which is not installed; run `make install` (it builds "

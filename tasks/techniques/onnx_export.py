@@ -91,6 +91,14 @@ class OnnxGenAI(Technique):
             note += f"; {plan.note()}"
         return Exported(ONNX_GENAI, onnx_genai.ENGINE, [*notes, note])
 
+    def problems(self, where: str, settings: OnnxGenAIStep, config: Any, cuda_available: bool) -> list[str]:
+        if config.target.is_cuda:
+            return [
+                f"{where}: the export targets ONNX Runtime's CPU provider (onnxruntime-genai-cuda is not installed); "
+                f"on {config.target.device} use torch variants (runtime.dtype bfloat16 or float16)"
+            ]
+        return []
+
     def weight_bits(self, settings: OnnxGenAIStep, manifest: VariantManifest) -> int | None:
         return PRECISION_BITS[settings.precision]
 

@@ -128,7 +128,12 @@ class Quantize(Technique):
         return list(METHODS[settings.method].packages)
 
     def problems(self, where: str, settings: QuantizeStep, config: Config, cuda_available: bool) -> list[str]:
-        if settings.method == "gptqmodel" and config.target.device != "cuda":
+        if config.target.is_cuda:
+            return [
+                f"{where}.method: {settings.method} has not been run on a GPU by llmopt yet (its cuda path comes "
+                "with the GPU techniques); on cuda use runtime.dtype bfloat16 or float16"
+            ]
+        if settings.method == "gptqmodel" and not config.target.is_cuda:
             return [
                 f"{where}.method: gptqmodel needs a cuda target (gptqmodel's kernels and calibration are CUDA-only; "
                 "its sdist does not build here); use onnx_genai int4 or quanto_w4a16 on cpu"

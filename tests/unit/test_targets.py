@@ -26,7 +26,7 @@ def test_runnable_cpu_settings_raise_nothing():
         ({}, {"dtype": "float16"}, "variants.v.runtime.dtype: float16 has no fast matmul kernels"),
         ({"tensor_parallel": 2}, {}, "target.tensor_parallel: 2 ranks need a multi-GPU cuda target"),
         ({"device": "hpu"}, {}, "target.device: hpu (Gaudi) needs optimum-habana"),
-        ({"device": "cuda"}, {}, "target.device: cuda, but this machine has no CUDA GPU"),
+        ({"device": "cuda"}, {}, "target.device: cuda, but no CUDA device is visible (torch sees none)"),
     ],
 )
 def test_what_the_target_cannot_run_fails_fast_naming_key_and_alternative(target, runtime, message):
@@ -69,3 +69,42 @@ def test_the_peer_row_needs_a_source_that_ships_a_gguf(tmp_path):
     )
     (tmp_path / "m.Q4_0.gguf").write_bytes(b"GGUF")
     assert target_problems(peer(str(tmp_path)), cuda_available=False) == []
+
+
+def test_a_cuda_target_runs_torch_variants_in_half_precision_and_refuses_what_it_cannot_run():
+    cfg = Config.model_validate(
+        {
+            "target": {"device": "cuda:1"},
+            "variants": {
+                "baseline": {},
+                "fp16": {"runtime": {"dtype": "float16"}},
+                "bf16_static": {"runtime": {"dtype": "bfloat16", "kv_cache": "static"}},
+                "onnx": {"steps": [{"onnx_genai": {"precision": "int4"}}]},
+                "int8": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
+                "flash": {"runtime": {"attention": "flash_attention_2", "dtype": "bfloat16"}},
+            },
+        }
+    )
+    problems = target_problems(cfg, cuda_available=True, cuda_devices=2)
+    assert [problem.split(":")[0] for problem in problems] == [
+        "variants.onnx.steps[0].onnx_genai",
+        "variants.int8.steps[0].quantize.method",
+        "variants.flash.runtime.attention",
+    ]
+    assert all("use " in problem for problem in problems)
+    assert "flash-attn package, which is not installed" in problems[2]
+
+
+def test_a_cuda_device_that_is_not_there_is_named_with_those_that_are():
+    cfg = Config.model_validate({"target": {"device": "cuda:2"}, "variants": {"baseline": {}}})
+    (problem,) = target_problems(cfg, cuda_available=True, cuda_devices=2)
+    assert (
+        problem == "target.device: cuda:2, but torch sees 2 CUDA device(s) (cuda:0…cuda:1); use one of them"
+    )
+    assert target_problems(cfg, cuda_available=True, cuda_devices=3) == []
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "CPU"])
+def test_a_device_llmopt_does_not_know_is_refused_by_the_schema(device):
+    with pytest.raises(ValueError, match="device"):
+        Config.model_validate({"target": {"device": device}, "variants": {"baseline": {}}})

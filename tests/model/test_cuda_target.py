@@ -1,0 +1,43 @@
+"""A cuda target: the device comes from params.yaml into the engine in one place (`load_runtime`), engines refuse a
+device they do not run on, and on a GPU the torch engine decodes what it decodes on the CPU (tests marked `cuda`
+run wherever torch sees a GPU; elsewhere they are the one skip the suite allows)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tasks.engines import load_runtime
+from tasks.errors import TargetError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPTS = [[1, 5, 9, 13, 2], [7, 7, 3]]
+
+
+def test_an_engine_refuses_a_device_it_does_not_run_on_naming_those_it_does(baseline_dir: Path):
+    with pytest.raises(TargetError, match=r"the torch engine runs on cpu, cuda, not xpu$"):
+        load_runtime(baseline_dir, threads=1, device="xpu")
+
+
+@pytest.mark.cuda
+def test_the_torch_engine_on_cuda_decodes_and_scores_as_on_the_cpu(baseline_dir: Path):
+    cpu, gpu = load_runtime(baseline_dir, threads=1), load_runtime(baseline_dir, threads=1, device="cuda")
+    assert next(gpu.model.parameters()).device.type == "cuda"
+    assert gpu.generate(PROMPTS, 8) == cpu.generate(PROMPTS, 8)  # fp32: TF32 is off by default in torch
+    for (nll_gpu, n_gpu), (nll_cpu, n_cpu) in zip(gpu.score(PROMPTS), cpu.score(PROMPTS), strict=True):
+        assert n_gpu == n_cpu and nll_gpu == pytest.approx(nll_cpu, rel=1e-4)
+    decoder = gpu.batch_decoder()
+    sequence, logits = decoder.add(PROMPTS[0])
+    assert logits.shape[-1] == gpu.model.config.vocab_size  # host numpy logits for the server's sampler
+
+
+@pytest.mark.cuda
+def test_a_cuda_target_measures_the_gpu_it_runs_on():
+    from tasks.measure.benchmark import memory_read_bandwidth_gbs
+    from tasks.measure.fingerprint import machine_fingerprint
+
+    fingerprint = machine_fingerprint(threads=1, device="cuda")
+    assert fingerprint["gpu"]["name"] and fingerprint["gpu"]["capability"]
+    assert fingerprint["hash"] != machine_fingerprint(threads=1)["hash"]
+    assert memory_read_bandwidth_gbs(1, megabytes=64, trials=3, device="cuda") > 50  # any GPU's HBM/GDDR
