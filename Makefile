@@ -11,7 +11,7 @@ LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast docs techniques-table lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
+.PHONY: help run test test-fast docs gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -32,6 +32,12 @@ test-fast: install ## the suite without the slow end-to-end tests
 
 docs: install ## build the documentation strictly (mkdocs build --strict) into .llmopt/site
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+gpu-check: ## on a CUDA machine (torch + transformers + pydantic suffice): every technique on a ~1B Llama -> gpu-check.json
+	python3 infra/gpu_check.py
+
+gpu-check-cpu: install ## the same check on the CPU with a tiny Llama (CI runs it as tests/integration/test_gpu_check.py)
+	$(BIN)/python infra/gpu_check.py --cpu --tiny --out .llmopt/gpu-check-cpu.json
 
 techniques-table: install ## regenerate the technique table in docs/techniques.md from the technique registry
 	$(VENV)/bin/python -m tasks.techniques.registry docs/techniques.md

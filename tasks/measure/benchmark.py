@@ -283,7 +283,9 @@ def median_trial(trials: list[BenchmarkResult]) -> BenchmarkResult:
     return speeds[(len(speeds) - 1) // 2]
 
 
-def memory_read_bandwidth_gbs(threads: int, megabytes: int = 512, trials: int = 10, device: str = "cpu") -> float:
+def memory_read_bandwidth_gbs(
+    threads: int, megabytes: int = 512, trials: int = 10, device: str = "cpu"
+) -> float:
     """The target's memory bandwidth: on the CPU the best of `trials` sums over a buffer far larger than the
     caches; on a GPU the best device-to-device copy (bytes read plus written per second, synchronized)."""
     import torch

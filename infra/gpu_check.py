@@ -1,0 +1,313 @@
+"""The GPU check: every technique llmopt can try on a device, built, loaded and measured by llmopt's own build,
+engine and benchmark code, on a generated Llama (nothing is downloaded), written stage by stage to JSON.
+
+    python infra/gpu_check.py                 # a CUDA machine: a ~1 B-parameter Llama on cuda (`make gpu-check`)
+    python infra/gpu_check.py --cpu --tiny    # CI: a tiny Llama on the CPU (`make gpu-check-cpu`)
+
+It needs only torch, transformers and pydantic besides the source tree (optional: torchao, bitsandbytes,
+optimum-quanto; a technique whose package is missing is `skipped` with that reason), so it runs on a bare CUDA
+image with a few carried wheels. An internal deadline (`--deadline-s`) keeps one run inside the time a borrowed
+GPU allows; techniques not reached are `skipped` with the reason. Output: `gpu-check.json` or $GPU_CHECK_OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # llmopt's modules from this source tree
+
+NOT_BUILT = "not built into llmopt yet (issue 26)"
+
+
+@dataclass(frozen=True)
+class Check:
+    """One technique to try: its recipe, the packages it needs, and why it cannot run on a CPU (None: it can)."""
+
+    technique: str
+    recipe: dict[str, Any]
+    packages: tuple[str, ...] = ()
+    cuda_only: str | None = None
+    missing: str | None = None  # set: llmopt has no code for it yet, so it is always skipped with this reason
+
+
+def _quantize(method: str, **settings: Any) -> dict[str, Any]:
+    return {"steps": [{"quantize": {"method": method, **settings}}]}
+
+
+CHECKS = (
+    Check("fp32", {}),
+    Check("bf16", {"runtime": {"dtype": "bfloat16"}}),
+    Check("fp16", {"runtime": {"dtype": "float16"}}, cuda_only="float16 has no fast matmul kernels on a CPU"),
+    Check("bf16_static_kv", {"runtime": {"dtype": "bfloat16", "kv_cache": "static"}}),
+    Check("eager_attention", {"runtime": {"attention": "eager"}}),
+    Check("torchao_int8_weight_only", _quantize("torchao_int8_weight_only"), ("torchao",)),
+    Check("torchao_int8_dynamic", _quantize("torchao_int8_dynamic"), ("torchao",)),
+    Check("torchao_int4_weight_only", _quantize("torchao_int4_weight_only"), ("torchao",)),
+    Check("bnb_nf4", _quantize("bnb_nf4", compute_dtype="bfloat16"), ("bitsandbytes", "accelerate")),
+    Check("bnb_int8", _quantize("bnb_int8"), ("bitsandbytes", "accelerate")),
+    Check("quanto_w8a16", _quantize("quanto_w8a16"), ("optimum-quanto",)),
+    Check("torchao_int4_tile_packed", {}, ("torchao",), "tinygemm int4 kernels are CUDA-only", NOT_BUILT),
+    Check("fp8_per_row", {}, ("torchao",), "FP8 matmuls need a GPU of compute capability 8.9+", NOT_BUILT),
+    Check("gptq_onto_torchao_int4", {}, ("torchao",), "its int4 grid is the tile-packed CUDA one", NOT_BUILT),
+    Check("sdpa_flash", {}, (), "SDPA's flash backend is CUDA-only", NOT_BUILT),
+    Check("static_kv_compiled", {}, (), "CUDA graphs (reduce-overhead) need a GPU", NOT_BUILT),
+    Check("tensor_parallel_2", {}, (), "needs two GPUs", NOT_BUILT),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    from tasks.quiet import quiet_libraries
+
+    quiet_libraries()  # library warnings, loggers and progress bars: the JSON is the output
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device is visible (torch sees none); use --cpu", file=sys.stderr)
+        return 2
+    started, out = time.monotonic(), Path(args.out)
+    report: dict[str, Any] = {"device": _device_facts(device), "model": {}, "results": []}
+    _write(out, report)
+    with tempfile.TemporaryDirectory(prefix="llmopt-gpu-check-") as scratch:
+        base = _generated_llama(Path(scratch) / "base", tiny=args.tiny)
+        report["model"] = base.facts
+        _write(out, report)
+        reference = None
+        for check in CHECKS:
+            left = args.deadline_s - (time.monotonic() - started)
+            result = _run_check(check, base, device, Path(scratch), reference, left, args.tiny)
+            if check.technique == "fp32" and result["status"] == "ran":
+                reference = result.pop("_logits")
+            result.pop("_logits", None)
+            report["results"].append(result)
+            _write(out, report)  # stage by stage: a run cut short still leaves every finished technique
+            print(f"gpu-check: {check.technique}: {result['status']} {result.get('reason', '')}".rstrip())
+    report["seconds"] = round(time.monotonic() - started, 1)
+    _write(out, report)
+    return 0
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cpu", action="store_true", help="run on the CPU (CUDA-only techniques are skipped)"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="a tiny Llama (seconds) instead of ~1 B parameters"
+    )
+    parser.add_argument("--deadline-s", type=float, default=300.0, help="stop starting techniques after this")
+    parser.add_argument(
+        "--out", default=os.environ.get("GPU_CHECK_OUT", "gpu-check.json"), help="the JSON file"
+    )
+    return parser.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class GeneratedBase:
+    prepared: Any  # tasks.inputs.load.PreparedBase
+    facts: dict[str, Any]
+    probe: list[list[int]]  # token sequences whose logits every technique is compared on
+
+
+def _generated_llama(folder: Path, tiny: bool) -> GeneratedBase:
+    """A random Llama whose output layer is scaled so its logits are far from uniform (a quantizer's damage shows),
+    with a byte-level tokenizer trained on generated sentences, saved as a model source folder."""
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from tasks.inputs.load import PreparedBase
+    from tasks.local_files import folder_sha256
+
+    rng = random.Random(0)
+    words = ["river", "stone", "garden", "winter", "market", "letter", "bridge", "forest", "village", "music"]
+    text = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    vocab = 320 if tiny else 4096
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(text, trainer)
+    shape = (
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+        if tiny
+        else {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 20,
+            "num_attention_heads": 16,
+        }
+    )
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        num_key_value_heads=shape["num_attention_heads"] // 2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # peaked next-token distributions instead of near-uniform ones
+    model.save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(folder)
+    probe_ids = tokenizer.encode(" ".join(text[:200])).ids
+    probe = [probe_ids[i : i + 64] for i in range(0, 256, 64)]
+    if len(probe[-1]) != 64:
+        raise RuntimeError("the generated text tokenizes to fewer than 256 tokens")
+    facts = {"parameters": sum(p.numel() for p in model.parameters()), **shape, "vocab": config.vocab_size}
+    return GeneratedBase(PreparedBase(folder, folder_sha256(folder), "generated"), facts, probe)
+
+
+def _run_check(
+    check: Check, base: GeneratedBase, device: str, scratch: Path, reference: Any, left_s: float, tiny: bool
+) -> dict[str, Any]:
+    result: dict[str, Any] = {"technique": check.technique, "recipe": check.recipe}
+    missing = [package for package in check.packages if not _installed(package)]
+    reason = (
+        check.missing
+        or (check.cuda_only if device == "cpu" else None)
+        or (f"needs {', '.join(missing)}, not installed" if missing else None)
+        or ("the deadline was reached before it started" if left_s <= 0 else None)
+    )
+    if reason:
+        return {**result, "status": "skipped", "reason": reason}
+    try:
+        return {**result, "status": "ran", **_measure(check, base, device, scratch, reference, tiny)}
+    except Exception as exc:  # one technique's failure is its result, not the end of the check
+        trace = traceback.format_exception(exc)[-3:]
+        return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500], "trace": trace}
+
+
+def _measure(
+    check: Check, base: GeneratedBase, device: str, scratch: Path, reference: Any, tiny: bool
+) -> dict:
+    import torch
+
+    from tasks.config import BenchmarkConfig, VariantConfig
+    from tasks.engines import load_runtime
+    from tasks.measure.benchmark import benchmark_variant, memory_read_bandwidth_gbs, roofline_fraction
+    from tasks.techniques.optimize import build_variant
+
+    started = time.perf_counter()
+    folder = scratch / check.technique
+    build_variant(
+        check.technique, VariantConfig.model_validate(check.recipe), base.prepared, "generated", folder
+    )
+    build_s = time.perf_counter() - started
+    runtime = load_runtime(folder, threads=os.cpu_count() or 1, device=device)
+    logits = _probe_logits(runtime, base.probe)
+    del runtime
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cfg = BenchmarkConfig(
+        prompt_tokens=32 if tiny else 128,
+        new_tokens=8 if tiny else 32,
+        batch_sizes=[1, 8],
+        ttft_prompt_tokens=[32],
+        requests=2,
+        request_new_tokens=4,
+        repeats=2,
+    )
+    measured = benchmark_variant(
+        folder, cfg, " ".join(["river stone garden"] * 20), os.cpu_count() or 1, device
+    )
+    bandwidth = memory_read_bandwidth_gbs(os.cpu_count() or 1, megabytes=64 if tiny else 512, device=device)
+    result = {
+        "build_s": round(build_s, 2),
+        "ttft_ms": round(measured.ttft_ms, 2),
+        "decode_tok_s": {str(b.batch_size): round(b.decode_tok_s, 1) for b in measured.batches},
+        "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device == "cuda" else None,
+        "peak_rss_mb": round(measured.peak_rss_mb, 1),
+        "bytes_per_step": measured.decode_read_bytes,
+        "bandwidth_gbs": round(bandwidth, 1),
+        "bandwidth_share": round(
+            roofline_fraction(measured.decode_tok_s, measured.decode_read_bytes, bandwidth), 4
+        ),
+        "compile_s": None,
+        "_logits": logits,
+    }
+    if reference is not None:
+        difference = (logits - reference).norm() / reference.norm()
+        result["logits_vs_fp32"] = {
+            "rel_l2": round(float(difference), 6),
+            "max_abs": round(float((logits - reference).abs().max()), 4),
+            "argmax_agreement": round(float((logits.argmax(-1) == reference.argmax(-1)).float().mean()), 4),
+        }
+    return result
+
+
+def _probe_logits(runtime: Any, probe: list[list[int]]) -> Any:
+    """The probe sequences' logits on the host in float32 (the torch engine's model, as tools may use it)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor(probe, device=runtime.device)
+        return runtime.model(input_ids=ids).logits.float().cpu()
+
+
+def _device_facts(device: str) -> dict[str, Any]:
+    import platform
+
+    import torch
+    import transformers
+
+    facts: dict[str, Any] = {
+        "kind": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    if device == "cuda":
+        properties = torch.cuda.get_device_properties(0)
+        facts |= {
+            "name": properties.name,
+            "capability": f"{properties.major}.{properties.minor}",
+            "memory_gib": round(properties.total_memory / 2**30, 1),
+            "cuda": torch.version.cuda,
+            "count": torch.cuda.device_count(),
+        }
+    else:
+        facts["name"] = platform.processor() or platform.machine()
+    return facts
+
+
+def _installed(package: str) -> bool:
+    return (
+        importlib.util.find_spec(package.replace("-", "_").replace("optimum_quanto", "optimum.quanto"))
+        is not None
+    )
+
+
+def _write(out: Path, report: dict[str, Any]) -> None:
+    staged = out.with_name(out.name + ".partial")
+    staged.write_text(json.dumps(report, indent=2) + "\n")
+    staged.replace(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

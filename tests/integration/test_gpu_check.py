@@ -1,0 +1,40 @@
+"""The GPU check's CPU mode (`make gpu-check-cpu`), so the script a borrowed GPU runs cannot rot: every technique
+that can run on a CPU runs through llmopt's build, engine and benchmark, the CUDA-only ones are skipped with their
+reason, and the logits comparison tells 8-bit from 4-bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_check_runs_every_cpu_capable_technique_and_names_why_the_others_did_not(tmp_path):
+    sys.path.insert(0, str(REPO / "infra"))
+    from gpu_check import CHECKS
+
+    out = tmp_path / "gpu-check.json"
+    script = [sys.executable, str(REPO / "infra" / "gpu_check.py"), "--cpu", "--tiny", "--out", str(out)]
+    subprocess.run(script, check=True, capture_output=True, timeout=900)
+    report = json.loads(out.read_text())
+    results = {result["technique"]: result for result in report["results"]}
+    assert [check.technique for check in CHECKS] == list(results)
+    assert report["device"]["kind"] == "cpu" and report["model"]["parameters"] > 0
+    for check in CHECKS:
+        result = results[check.technique]
+        if check.cuda_only or check.missing:
+            assert result["status"] == "skipped" and result["reason"] in (check.missing, check.cuda_only)
+        else:
+            assert result["status"] == "ran", result
+            assert (
+                result["decode_tok_s"]["1"] > 0
+                and result["decode_tok_s"]["8"] > 0
+                and result["bytes_per_step"]
+            )
+    error = {name: r["logits_vs_fp32"]["rel_l2"] for name, r in results.items() if "logits_vs_fp32" in r}
+    assert set(error) == {name for name, r in results.items() if r["status"] == "ran"} - {"fp32"}
+    assert error["bf16"] < 0.02 and error["torchao_int8_weight_only"] < 0.05 and error["bnb_int8"] < 0.05
+    assert 0.02 < error["torchao_int4_weight_only"] < 0.5 and 0.02 < error["bnb_nf4"] < 0.5
