@@ -59,7 +59,14 @@ CHECKS = (
     Check("torchao_int4_tile_packed", {}, ("torchao",), "tinygemm int4 kernels are CUDA-only", NOT_BUILT),
     Check("fp8_per_row", {}, ("torchao",), "FP8 matmuls need a GPU of compute capability 8.9+", NOT_BUILT),
     Check("gptq_onto_torchao_int4", {}, ("torchao",), "its int4 grid is the tile-packed CUDA one", NOT_BUILT),
-    Check("sdpa_flash", {}, (), "SDPA's flash backend is CUDA-only", NOT_BUILT),
+    Check("sdpa_flash", {"runtime": {"attention": "sdpa_flash", "dtype": "bfloat16"}}),
+    Check(
+        "sdpa_efficient",
+        {"runtime": {"attention": "sdpa_efficient", "dtype": "bfloat16"}},
+        (),
+        "a CUDA kernel",
+    ),
+    Check("sdpa_cudnn", {"runtime": {"attention": "sdpa_cudnn", "dtype": "bfloat16"}}, (), "a CUDA kernel"),
     Check("static_kv_compiled", {}, (), "CUDA graphs (reduce-overhead) need a GPU", NOT_BUILT),
     Check("tensor_parallel_2", {}, (), "needs two GPUs", NOT_BUILT),
 )

@@ -153,7 +153,11 @@ class RuntimeSettings(Strict):
 
     RECORDED_DEFAULTS = frozenset({"dtype"})
     dtype: Dtype = "float32"
-    attention: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # sdpa: torch picks the kernel; sdpa_<backend>: torch's SDPA pinned to that kernel (an error, never a silent
+    # fallback, where it cannot run); flash_attention_2: the flash-attn package (CUDA, not installed here)
+    attention: Literal[
+        "sdpa", "eager", "flash_attention_2", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math"
+    ] = "sdpa"
     kv_cache: Literal["dynamic", "static", "quantized"] = "dynamic"  # dynamic: grows with the text
     kv_cache_bits: Literal[2, 4] = 4  # kv_cache: quantized (quanto backend)
     sliding_window: Annotated[int, Field(ge=8)] | None = None  # attend to (and cache) only the last N tokens
@@ -171,6 +175,16 @@ class RuntimeSettings(Strict):
             },
         )
     }
+
+    @property
+    def attn_implementation(self) -> str:
+        """transformers' `attn_implementation` for the attention setting."""
+        return "sdpa" if self.attention.startswith("sdpa") else self.attention
+
+    @property
+    def sdpa_backend(self) -> str | None:
+        """The SDPA kernel the setting pins (None: torch chooses, or attention is not SDPA)."""
+        return self.attention.removeprefix("sdpa_") if self.attention.startswith("sdpa_") else None
 
     def recipe_data(self) -> dict[str, Any]:
         """The wrapper is recorded under its former name and values, so recipe hashes stay as they were."""

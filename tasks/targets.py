@@ -61,6 +61,11 @@ def _runtime_problems(where: str, runtime: RuntimeSettings, device: str, cuda: b
             f"{where}.attention: flash_attention_2 needs the flash-attn package, which is not installed (it has no "
             "wheel; transformers would fetch kernels from the hub, impossible offline); use sdpa"
         )
+    if runtime.sdpa_backend in ("efficient", "cudnn") and not cuda:
+        problems.append(
+            f"{where}.attention: {runtime.attention} is a CUDA kernel of torch's SDPA, not on {device}; use "
+            "sdpa_flash or sdpa_math (or sdpa: torch chooses)"
+        )
     if runtime.dtype == "float16" and device == "cpu":
         problems.append(
             f"{where}.dtype: float16 has no fast matmul kernels on a cpu target (it runs slower than "

@@ -3,6 +3,7 @@ inference engine). The device comes from params.yaml target.device, through `loa
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ class TorchRuntime(Runtime):
             self.model = deepspeed_engine(self.model, manifest.dtype)
         self._options = generation_options(settings, self.model.config.head_dim)
         # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
-        self._no_grad = torch.no_grad if manifest.weights_format == QUANTO else torch.inference_mode
+        no_grad = torch.no_grad if manifest.weights_format == QUANTO else torch.inference_mode
+        self._no_grad = inference_context(no_grad, settings.sdpa_backend)
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         import torch
@@ -119,6 +121,28 @@ class TorchBatchDecoder(BatchDecoder):
 
     def remove(self, sequence: int) -> None:
         del self._caches[sequence]
+
+
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
+
+
+def inference_context(no_grad: Any, sdpa_backend: str | None) -> Any:
+    """A context manager factory: no gradients, and torch's SDPA pinned to `sdpa_backend` when one is set (a
+    kernel that cannot run raises instead of falling back, so the backend recorded is the backend that ran)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    @contextlib.contextmanager
+    def context() -> Any:
+        pinned = sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[sdpa_backend])) if sdpa_backend else None
+        with no_grad(), pinned or contextlib.nullcontext():
+            yield
+
+    return context
 
 
 def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:

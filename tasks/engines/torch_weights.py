@@ -45,7 +45,7 @@ def load_torch_model(folder: Path, weights_format: str, dtype: str, settings: Ru
     from transformers import AutoModelForCausalLM
 
     if weights_format == HF_SAFETENSORS:
-        options = {"dtype": getattr(torch, dtype), "attn_implementation": settings.attention}
+        options = {"dtype": getattr(torch, dtype), "attn_implementation": settings.attn_implementation}
         if settings.sliding_window is not None:
             return _load_with_sliding_window(folder, settings.sliding_window, options)
         return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options)

@@ -20,6 +20,9 @@ SETTINGS = {
     "kv2": {"kv_cache": "quantized", "kv_cache_bits": 2},
     "window8": {"sliding_window": 8},
     "deepspeed": {"wrapper": "deepspeed"},
+    "sdpa_flash": {"attention": "sdpa_flash"},
+    "sdpa_math": {"attention": "sdpa_math"},
+    "sdpa_efficient": {"attention": "sdpa_efficient"},  # a CUDA kernel: pre-flight refuses it on cpu
 }
 TEXT = "The river walks the stone near the garden 12. The train finds the book near the quiet forest 7."
 
@@ -38,7 +41,7 @@ def logits(runtime, ids: list[int]) -> torch.Tensor:
         return runtime.model(input_ids=torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("name", ["eager", "static_kv", "deepspeed"])
+@pytest.mark.parametrize("name", ["eager", "static_kv", "deepspeed", "sdpa_flash", "sdpa_math"])
 def test_exact_settings_generate_what_the_baseline_generates(runtimes, name):
     ids = runtimes["baseline"].encode(TEXT)
     expected = runtimes["baseline"].generate([ids, ids[:-3]], 10, stop_at_eos=False)
@@ -76,3 +79,11 @@ def test_sliding_window_sees_only_the_last_tokens_and_bounds_the_cache(runtimes)
             input_ids=torch.tensor([ids]), max_new_tokens=4, do_sample=False, return_dict_in_generate=True
         )
     assert out.past_key_values.layers[0].keys.shape[-2] < 8 < len(ids)
+
+
+def test_a_pinned_sdpa_kernel_that_cannot_run_raises_instead_of_falling_back(runtimes):
+    """So the kernel a variant records is the kernel that ran (the CPU has no memory-efficient SDPA kernel)."""
+    ids = runtimes["baseline"].encode(TEXT)
+    with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention"):
+        runtimes["sdpa_efficient"].generate([ids], 2)
+    assert runtimes["sdpa_flash"].generate([ids], 2) == runtimes["baseline"].generate([ids], 2)

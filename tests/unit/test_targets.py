@@ -24,6 +24,7 @@ def test_runnable_cpu_settings_raise_nothing():
             "variants.v.runtime.attention: flash_attention_2 needs a cuda",
         ),
         ({}, {"dtype": "float16"}, "variants.v.runtime.dtype: float16 has no fast matmul kernels"),
+        ({}, {"attention": "sdpa_cudnn"}, "variants.v.runtime.attention: sdpa_cudnn is a CUDA kernel"),
         ({"tensor_parallel": 2}, {}, "target.tensor_parallel: 2 ranks need a multi-GPU cuda target"),
         ({"device": "hpu"}, {}, "target.device: hpu (Gaudi) needs optimum-habana"),
         ({"device": "cuda"}, {}, "target.device: cuda, but no CUDA device is visible (torch sees none)"),
