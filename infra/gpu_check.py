@@ -290,14 +290,9 @@ def _device_facts(device: str) -> dict[str, Any]:
         "python": platform.python_version(),
     }
     if device == "cuda":
-        properties = torch.cuda.get_device_properties(0)
-        facts |= {
-            "name": properties.name,
-            "capability": f"{properties.major}.{properties.minor}",
-            "memory_gib": round(properties.total_memory / 2**30, 1),
-            "cuda": torch.version.cuda,
-            "count": torch.cuda.device_count(),
-        }
+        from tasks.measure.fingerprint import gpu_facts
+
+        facts |= {**gpu_facts(device), "count": torch.cuda.device_count()}
     else:
         facts["name"] = platform.processor() or platform.machine()
     return facts
