@@ -98,6 +98,7 @@ def optimize_task(name: str, variant: VariantConfig, inputs: Inputs, space: Work
                 out_dir,
                 calibration,
                 lambda _, i, n: update(i, n),
+                statistics=space.local("statistics"),
             )
         stored = space.publish(out_dir)
     return Built(name, manifest, replace(stored, path=space.workdir / "variants" / name), span[0])

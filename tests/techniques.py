@@ -54,6 +54,23 @@ CLAIMS = {
     "bnb_fp4": Claim(_quantize("bnb_fp4"), "fp4", 4, FOUR),
     "onnx_int8": Claim({"steps": [{"onnx_genai": {"precision": "int8"}}]}, "onnx", 8, EIGHT),
     "onnx_int4": Claim({"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32}}]}, "onnx", 4, FOUR),
+    "onnx_int4_weighted": Claim(
+        {
+            "steps": [
+                {
+                    "onnx_genai": {
+                        "precision": "int4",
+                        "rounding": "gptq",
+                        "scales": "weighted",
+                        "lm_head": "int8",
+                    }
+                }
+            ]
+        },
+        "onnx",
+        4,
+        FOUR,
+    ),
     "onnx_int4_asym": Claim(
         {"steps": [{"onnx_genai": {"precision": "int4", "symmetric": False, "block_size": 16}}]},
         "onnx",

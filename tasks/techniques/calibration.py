@@ -4,17 +4,41 @@ The calibration windows run through the model once with a forward hook on each n
 rows (tokens × features) are reduced by a statistic and summed per module. GPTQ's Hessians (XᵀX), llama.cpp's
 importance matrix (mean x²) and structured pruning's activation importance (mean |x|) are this one loop with a
 different statistic. (optimum-quanto's `Calibration()` keeps its own hooks: it records into quanto's modules.)
+Modules that read the same input (a layer's q/k/v, gate/up) compute each statistic of it once.
+
+Captures are content-addressed: inside `statistics_cache(folder)` (the optimize stage opens one in the workdir)
+a capture whose model weights, modules, windows and statistics are those of an earlier one is read back from
+`folder` instead of run again, across variants (GPTQ's Hessians of the two int4 exports, the importance matrix of
+the two llama.cpp files) and runs. Any changed weight, window or statistic gives another key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import hashlib
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tasks.errors import BuildError
 
 WINDOW_TOKENS = 256  # tokens per calibration window, for every technique that calibrates
+_CACHE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("statistics_cache", default=None)
+
+
+@contextlib.contextmanager
+def statistics_cache(folder: Path | None) -> Iterator[None]:
+    """Captures inside this block are stored in, and read back from, `folder` (None: not cached)."""
+    token = _CACHE.set(folder)
+    try:
+        yield
+    finally:
+        _CACHE.reset(token)
 
 
 @dataclass(frozen=True)
@@ -38,16 +62,91 @@ def capture_inputs(
 ) -> InputStatistics:
     """Run `windows` through `model` (eval mode, no gradients), summing `statistic(rows)` of each module's input,
     where rows is the input reshaped to (tokens, features); `progress(done, total)` after each window."""
-    import torch
+    return capture_statistics(model, modules, windows, {"only": statistic}, progress)["only"]
 
+
+def capture_statistics(
+    model: Any,
+    modules: dict[str, Any],
+    windows: list[list[int]],
+    statistics: dict[str, Callable[[Any], Any]],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, InputStatistics]:
+    """`capture_inputs` with several statistics of the same inputs from one pass, by the statistics' names."""
     if not windows:
         raise BuildError("the calibration split gave no token windows (it is shorter than 8 tokens)")
-    sums: dict[str, Any] = dict.fromkeys(modules, 0)
+    folder = _CACHE.get()
+    if folder is None:
+        return _capture(model, modules, windows, statistics, progress)
+    path = folder / f"{capture_key(model, modules, windows, statistics)}.pt"
+    if path.is_file():
+        import torch
+
+        stored = torch.load(path, weights_only=True)
+        if progress is not None:
+            progress(len(windows), len(windows))
+        return {kind: InputStatistics(entry["sums"], int(entry["tokens"])) for kind, entry in stored.items()}
+    found = _capture(model, modules, windows, statistics, progress)
+    _store(path, {kind: {"sums": f.sums, "tokens": f.tokens} for kind, f in found.items()})
+    return found
+
+
+def capture_key(
+    model: Any, modules: dict[str, Any], windows: list[list[int]], statistics: dict[str, Callable[[Any], Any]]
+) -> str:
+    """Content address of a capture: every weight and buffer of the model, the modules hooked (by name and the
+    module they are), the windows' token ids and each statistic's code."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
+        digest.update(_tensor_bytes(data))
+    names = {id(module): name for name, module in model.named_modules()}
+    digest.update(json.dumps([[key, names.get(id(module))] for key, module in modules.items()]).encode())
+    digest.update(json.dumps(windows).encode())
+    for kind, statistic in statistics.items():
+        digest.update(f"{kind}\0{inspect.getsource(statistic)}".encode())
+    return digest.hexdigest()
+
+
+def _tensor_bytes(tensor: Any) -> bytes:
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _store(path: Path, entries: dict[str, Any]) -> None:
+    """Write atomically: a capture interrupted mid-write leaves no entry a later build would read."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save(entries, staging)
+    os.replace(staging, path)
+
+
+def _capture(
+    model: Any,
+    modules: dict[str, Any],
+    windows: list[list[int]],
+    statistics: dict[str, Callable[[Any], Any]],
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, InputStatistics]:
+    import torch
+
+    sums: dict[str, dict[str, Any]] = {kind: dict.fromkeys(modules, 0) for kind in statistics}
+    last: list[Any] = [None, {}]  # the input tensor seen last and its statistics (q/k/v share one input)
 
     def hook(name: str) -> Callable[..., None]:
         def record(_module: Any, inputs: tuple[Any, ...], _output: Any) -> None:
-            rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
-            sums[name] = sums[name] + statistic(rows)
+            if inputs[0] is not last[0]:
+                rows = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+                last[0], last[1] = (
+                    inputs[0],
+                    {kind: statistic(rows) for kind, statistic in statistics.items()},
+                )
+            for kind, value in last[1].items():
+                sums[kind][name] = sums[kind][name] + value
 
         return record
 
@@ -58,14 +157,17 @@ def capture_inputs(
         with torch.no_grad():
             for index, ids in enumerate(windows):
                 model(input_ids=torch.tensor([ids], device=model.device))
+                last[0], last[1] = None, {}
                 tokens += len(ids)
                 if progress is not None:
                     progress(index + 1, len(windows))
     finally:
         for handle in handles:
             handle.remove()
-    seen = {name: total for name, total in sums.items() if not isinstance(total, int)}  # a module never run
-    return InputStatistics(seen, tokens)
+    return {  # a module that never ran is left out
+        kind: InputStatistics({n: t for n, t in totals.items() if not isinstance(t, int)}, tokens)
+        for kind, totals in sums.items()
+    }
 
 
 def mean_square(rows: Any) -> Any:

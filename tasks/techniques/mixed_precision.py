@@ -97,9 +97,7 @@ class PrecisionPlan:
 
     def builder_options(self) -> dict[str, Any]:
         """`--target_options` of ONNX Runtime GenAI's model builder: these nodes at int8, the rest at int4."""
-        overrides = [{"match": {"name": node}, "type": "int8"} for node in self.int8_nodes]
-        # op_types named, or the structured config quantizes MatMuls only and a tied embedding is stored float32
-        return {"quant_config": {"weights": {"op_types": ["MatMul", "Gather"], "overrides": overrides}}}
+        return int8_overrides(self.int8_nodes)
 
     def note(self) -> str:
         kept = len(self.int8_nodes)
@@ -109,6 +107,16 @@ class PrecisionPlan:
             f"calibration perplexity +{self.measured_ppl_increase:.1%} measured (+{self.predicted_ppl_increase:.1%} "
             f"predicted, +{self.int4_ppl_increase:.1%} all-int4), {self.size_ratio:.0%} of int8's weight bytes"
         )
+
+
+def int8_overrides(nodes: list[str]) -> dict[str, Any]:
+    """The model builder's `--target_options` keeping `nodes` at int8 in an int4 export. op_types are named, or the
+    structured config quantizes MatMuls only and a tied embedding is stored float32; but with the lm_head at int8
+    the embedding is left to the builder's float Gather (builder 0.18 writes an invalid graph for an int8 shared
+    table), which tasks/techniques/onnx_weights.py then points at the lm_head's int8 table."""
+    op_types = ["MatMul"] if "/lm_head/MatMul" in nodes else ["MatMul", "Gather"]
+    overrides = [{"match": {"name": node}, "type": "int8"} for node in nodes]
+    return {"quant_config": {"weights": {"op_types": op_types, "overrides": overrides}}}
 
 
 def export_matrices(model: Any) -> list[Matrix]:
@@ -180,6 +188,7 @@ def search(
     measure: Callable[..., float] | None = None,
     scale_bytes: int = SCALE_BYTES,
     group: Callable[[Matrix], str] | None = None,
+    int4_weights: dict[str, Any] | None = None,
 ) -> PrecisionPlan:
     """The per-matrix precision plan for `model` (left as it was) from the calibration `windows`.
 
@@ -188,7 +197,9 @@ def search(
     `group(matrix)`: when given, sensitivity is measured rather than predicted: each group (e.g. a layer) goes to 8
     bits alone, `measure(plan, quick=True)` (the caller's cheaper measurement: llama.cpp's uses a quarter of the
     windows) says what that saves, and the search keeps whole groups at 8 bits; every plan is still measured in
-    full. A `size_budget` with no room for any unit at 8 bits is refused before anything is measured."""
+    full. A `size_budget` with no room for any unit at 8 bits is refused before anything is measured.
+    `int4_weights` (torch module name → its weight as the export stores it at 4 bits, e.g. GPTQ-rounded): used
+    instead of round-to-nearest wherever a matrix is at 4 bits, in the costs and the measurements."""
     import torch
 
     if not windows:
@@ -209,7 +220,12 @@ def search(
                     weight = modules[name].weight
                     bits = plan.get(matrix.node)
                     source = originals[name]
-                    weight.copy_(source if bits is None else fake_quantize(source, bits, block, symmetric))
+                    weight.copy_(source if bits is None else at_bits(name, bits))
+
+    def at_bits(name: str, bits: int) -> Any:
+        if bits == 4 and int4_weights is not None:
+            return int4_weights[name].to(originals[name].dtype)
+        return fake_quantize(originals[name], bits, block, symmetric)
 
     def loss() -> float:
         total, tokens = 0.0, 0
@@ -231,12 +247,8 @@ def search(
     }
     extra = {}
     for matrix in matrices:
-        added = size[matrix.node][8] - size[matrix.node][4]
-        if tied and matrix.node == "/lm_head/MatMul":
-            # the builder shares the int4 embedding with an int4 lm_head only: an int8 lm_head leaves the
-            # embedding table unquantized (float32)
-            added += matrix.parameters * 4 - size[matrix.node][4]
-        extra[matrix.node] = added
+        # a tied lm_head's table is the embedding's at either precision (tasks/techniques/onnx_weights.py)
+        extra[matrix.node] = size[matrix.node][8] - size[matrix.node][4]
     int8_bytes = sum(size[m.node][8] for m in matrices)
     int4_bytes = sum(size[m.node][4] for m in matrices)
     budget = size_budget * int8_bytes - int4_bytes
@@ -265,13 +277,7 @@ def search(
             for matrix in matrices:
                 c4, c8 = (
                     sum(
-                        (
-                            fisher[name]
-                            * (fake_quantize(originals[name], bits, block, symmetric) - originals[name]) ** 2
-                        )
-                        .sum()
-                        .item()
-                        / 2
+                        (fisher[name] * (at_bits(name, bits) - originals[name]) ** 2).sum().item() / 2
                         for name in matrix.modules
                     )
                     for bits in (4, 8)

@@ -9,15 +9,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from tasks.errors import BuildError
 from tasks.failpoints import failpoint
-from tasks.schema import Strict
+from tasks.schema import Former, Strict
 from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.mixed_precision import MixedPrecision
+from tasks.techniques.onnx_weights import write_weights
 from tasks.techniques.registry import (
     Exported,
     ExportJob,
@@ -38,27 +39,45 @@ class OnnxGenAIStep(Strict):
     """Export to ONNX Runtime GenAI with its model builder; int4/int8 are weight-only (MatMulNBits) block-wise."""
 
     RECORDED_DEFAULTS = frozenset({"precision", "block_size", "symmetric", "accuracy_level"})
+    FORMER: ClassVar[dict[str, Former]] = {"gptq_windows": Former("calibration_windows")}
     precision: Literal["int4", "int8", "fp32"] = "int4"
     block_size: Literal[16, 32, 64, 128, 256] = 32
     symmetric: bool = True
     # 4 = int8 activations inside the int4/int8 MatMuls (VNNI kernels on AVX-512 CPUs); 0 = builder default.
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
     mixed_precision: MixedPrecision | None = None  # int4 only: keep the most sensitive matrices at int8
-    # int4 only: how weights are rounded. rtn: the builder's round-to-nearest; gptq: GPTQ on the calibration split
-    # onto the same grid (symmetric only), which the builder then stores as is (tasks/techniques/gptq_rounding.py)
+    # int4 only: how weights are rounded. rtn: to nearest; gptq: GPTQ on the calibration split (symmetric only)
     rounding: Literal["rtn", "gptq"] = "rtn"
-    # rounding gptq: calibration windows (of 256 tokens) the Hessians are collected on
-    gptq_windows: Annotated[int, Field(ge=1, le=4096)] = 32
+    # int4 only: each block's scale. absmax: onnxruntime's (the largest magnitude at level −8); weighted: the one
+    # minimising the importance-weighted error (importance: each input's mean squared activation on the
+    # calibration split, llama.cpp's importance matrix). Symmetric only
+    scales: Literal["absmax", "weighted"] = "absmax"
+    # int4 only: the lm_head's precision. For a tied model an int8 lm_head shares its table with the embedding
+    # lookup (tasks/techniques/onnx_weights.py). With mixed_precision the search decides it
+    lm_head: Literal["int4", "int8"] = "int4"
+    # rounding gptq or scales weighted: calibration windows (of 256 tokens) the statistics are collected on
+    calibration_windows: Annotated[int, Field(ge=1, le=4096)] = 32
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether llmopt computes the int4 weights (and writes them into the graph) instead of the builder."""
+        return self.rounding != "rtn" or self.scales != "absmax"
 
     @model_validator(mode="after")
     def _int4_options(self) -> OnnxGenAIStep:
-        for name in ("mixed_precision", "rounding"):
+        for name in ("mixed_precision", "rounding", "scales", "lm_head"):
             if name in self.model_fields_set and self.precision != "int4":
                 raise ValueError(f"{name} applies to precision int4, not {self.precision}")
-        if "gptq_windows" in self.model_fields_set and self.rounding != "gptq":
-            raise ValueError("gptq_windows applies only with rounding: gptq")
-        if self.rounding == "gptq" and not self.symmetric:
-            raise ValueError("rounding: gptq rounds onto the symmetric grid; leave symmetric at true")
+        if "calibration_windows" in self.model_fields_set and not self.calibrated:
+            raise ValueError("calibration_windows applies only with rounding: gptq or scales: weighted")
+        if self.calibrated and not self.symmetric:
+            raise ValueError(
+                "rounding: gptq and scales: weighted round onto the symmetric grid; leave symmetric at true"
+            )
+        if "lm_head" in self.model_fields_set and self.mixed_precision is not None:
+            raise ValueError(
+                "lm_head: with mixed_precision the search chooses the lm_head's bits; set one of them"
+            )
         return self
 
 
@@ -74,17 +93,27 @@ class OnnxGenAI(Technique):
         from tasks.engines.onnx_genai import ONNX_GENAI
 
         export, context, notes = settings, job.context, []
-        plan = _mixed_precision_plan(model, export, context) if export.mixed_precision else None
-        if export.rounding == "gptq":
-            notes.append(_gptq_rounding(model, export, plan, context))
+        rounded = _calibrated_int4(model, export, context, notes) if export.calibrated else None
+        plan = _mixed_precision_plan(model, export, context, rounded) if export.mixed_precision else None
+        options = plan.builder_options() if plan else _lm_head_options(export)
         with tempfile.TemporaryDirectory(prefix="llmopt-export-") as scratch:
-            changed = job.changed or export.rounding != "rtn"
             source = (
-                job.base_path if not changed else save_float_model(model, context.tokenizer, Path(scratch))
+                job.base_path
+                if not job.changed
+                else save_float_model(model, context.tokenizer, Path(scratch))
             )
-            options = plan.builder_options() if plan else None
-            build_onnx_genai(source, job.dest, export, Path(scratch) / "builder-cache", options)
+            head8 = export.precision == "int8" or export.lm_head == "int8"
+            head8 = head8 or bool(plan and "/lm_head/MatMul" in plan.int8_nodes)
+            build_onnx_genai(source, job.dest, export, Path(scratch) / "builder-cache", options, not head8)
+        int4 = _int4_weights(model, rounded, plan, export) if rounded else {}
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        written = write_weights(job.dest, int4, share_int8_lm_head=tied) if int4 or tied else []
+        _check_weights_written(job.dest, int4)
         note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
+        if export.lm_head == "int8":
+            note += ", lm_head int8"
+        if "embedding ← int8 lm_head table" in written:
+            note += "; the embedding lookup reads the tied int8 lm_head's table"
         if plan:
             _check_plan_applied(plan, job.dest)
             context.mixed_precision = plan.to_dict()
@@ -114,13 +143,27 @@ class OnnxGenAI(Technique):
             ),
             Row(
                 "`onnx_genai: {precision: int4, rounding: gptq}`",
-                ("rounding", "gptq_windows"),
-                "GPTQ on CPU: `gptq_windows` calibration windows of 256 tokens give each matrix's input Hessian (every token "
-                "scaled to unit length, so the attention-sink positions, whose activations are hundreds of times "
-                "the others', do not dominate it); each block of 32 inputs keeps onnxruntime's own symmetric scale "
-                "and its largest element level −8, so the rounded float weights are a fixed point of the builder's "
-                "round-to-nearest and the export stores GPTQ's integers (tested). The tied lm_head is rounded too "
-                "(its table is the int4 embedding's). Symmetric int4 only",
+                ("rounding", "calibration_windows"),
+                "GPTQ on CPU: `calibration_windows` windows of 256 tokens give each matrix's input Hessian (every "
+                "token scaled to unit length, so the attention-sink positions, whose activations are hundreds of "
+                "times the others', do not dominate it); the levels and scales are written into the exported "
+                "MatMulNBits nodes and read back (tested). The tied lm_head is rounded too (its table is the int4 "
+                "embedding's). Symmetric int4 only",
+            ),
+            Row(
+                "`onnx_genai: {precision: int4, scales: weighted}`",
+                ("scales",),
+                "each block's scale searched to minimise the importance-weighted squared error (importance: each "
+                "input's mean squared activation on the calibration split, llama.cpp's importance matrix; its "
+                "19 candidate grids): never worse than the builder's absmax scale on that error (tested), on "
+                "SmolLM2 ×1.11 perplexity against ×1.33; with `rounding: gptq` GPTQ rounds onto those scales",
+            ),
+            Row(
+                "`onnx_genai: {precision: int4, lm_head: int8}`",
+                ("lm_head",),
+                "the lm_head at int8 in an int4 export; for a tied model the embedding lookup reads the same int8 "
+                "table (GatherBlockQuantized, 8 bits) instead of a float32 copy (also in int8 exports: SmolLM2's "
+                "onnx_int8 loses 113 MB). With `mixed_precision` the search chooses the lm_head's bits",
             ),
             Row(
                 "`onnx_genai: {precision: int4, mixed_precision: {…}}`",
@@ -136,12 +179,16 @@ class OnnxGenAI(Technique):
         ]
 
 
-def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: Any) -> Any:
-    """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's)."""
+def _mixed_precision_plan(
+    model: Any, export: OnnxGenAIStep, context: Any, rounded: dict[str, Any] | None
+) -> Any:
+    """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's),
+    with each matrix at int4 as the export will store it (`rounded`: llmopt's own rounding, else the builder's)."""
     from tasks.techniques.mixed_precision import search
 
     settings = export.mixed_precision
     windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
+    int4 = {name: weights.dequantized() for name, weights in rounded.items()} if rounded else None
     with step_arguments("onnx_genai"):
         return search(
             model,
@@ -151,21 +198,71 @@ def _mixed_precision_plan(model: Any, export: OnnxGenAIStep, context: Any) -> An
             export.block_size,
             export.symmetric,
             context.report,
+            int4_weights=int4,
         )
 
 
-def _gptq_rounding(model: Any, export: OnnxGenAIStep, plan: Any, context: Any) -> str:
-    """GPTQ-round (in place, onto the export's int4 grid) every matrix the export stores at int4."""
-    from tasks.techniques.gptq_rounding import apply_gptq
+def _calibrated_int4(model: Any, export: OnnxGenAIStep, context: Any, notes: list[str]) -> dict[str, Any]:
+    """Every exported matrix's int4 weights (by torch module) from one calibration pass: GPTQ and/or weighted
+    scales (tasks/techniques/gptq_rounding.py). The model is left as it was."""
+    from tasks.techniques.gptq_rounding import round_matrices
     from tasks.techniques.mixed_precision import export_matrices
 
-    windows = context.sequences(context.tokenizer, WINDOW_TOKENS, limit=export.gptq_windows)
+    windows = context.sequences(context.tokenizer, WINDOW_TOKENS, limit=export.calibration_windows)
     with step_arguments("onnx_genai"):
         matrices = export_matrices(model)
-    keep = set(plan.int8_nodes) if plan else set()
-    rounded = apply_gptq(model, matrices, windows, export.block_size, keep, context.report)
+    modules = dict(model.named_modules())
+    chosen = {name: modules[name] for m in matrices for name in m.modules}
+    rounded = round_matrices(
+        model, chosen, windows, export.block_size, export.rounding, export.scales, context.report
+    )
+    how = {"gptq": "GPTQ rounding", "rtn": "round-to-nearest"}[export.rounding]
+    scales = "importance-weighted scales" if export.scales == "weighted" else "absmax scales"
     tokens = sum(len(ids) for ids in windows)
-    return f"GPTQ rounding of {rounded} of {len(matrices)} matrices on {tokens:,} calibration tokens"
+    notes.append(f"{how} with {scales} of {len(matrices)} matrices on {tokens:,} calibration tokens")
+    return rounded
+
+
+def _int4_weights(model: Any, rounded: dict[str, Any], plan: Any, export: OnnxGenAIStep) -> dict[str, Any]:
+    """The int4 weights of every node the export stores at int4 (a fused node's modules' rows stacked)."""
+    import torch
+
+    from tasks.techniques.gptq_rounding import BlockwiseInt
+    from tasks.techniques.mixed_precision import export_matrices
+
+    int8 = set(plan.int8_nodes) if plan else {"/lm_head/MatMul"} if export.lm_head == "int8" else set()
+    weights = {}
+    for matrix in export_matrices(model):
+        if matrix.node in int8:
+            continue
+        parts = [rounded[name] for name in matrix.modules]
+        weights[matrix.node] = BlockwiseInt(
+            torch.cat([p.levels for p in parts]), torch.cat([p.scales for p in parts]), parts[0].block
+        )
+    return weights
+
+
+def _lm_head_options(export: OnnxGenAIStep) -> dict | None:
+    """The builder's `--target_options` for an int8 `lm_head` in an int4 export."""
+    from tasks.techniques.mixed_precision import int8_overrides
+
+    return int8_overrides(["/lm_head/MatMul"]) if export.lm_head == "int8" else None
+
+
+def _check_weights_written(dest: Path, int4: dict[str, Any]) -> None:
+    """The exported graph holds exactly the levels and scales computed for every int4 node."""
+    import torch
+
+    from tasks.techniques.onnx_weights import read_int4
+
+    for node, planned in int4.items():
+        held = read_int4(dest, node)
+        if not (
+            torch.equal(held.levels, planned.levels) and torch.equal(held.scales, planned.scales.float())
+        ):
+            raise BuildError(
+                f"onnx_genai: the exported {node} does not hold the rounded weights written into it"
+            )
 
 
 def _check_plan_applied(plan: Any, dest: Path) -> None:
@@ -174,9 +271,9 @@ def _check_plan_applied(plan: Any, dest: Path) -> None:
     wanted = {choice.node: choice.bits for choice in plan.matrices}
     differing = [node for node, bits in wanted.items() if exported.get(node) != bits]
     embedding = "/model/embed_tokens/GatherBlockQuantized"
-    if plan.tied_embeddings and wanted.get("/lm_head/MatMul") == 4 and embedding not in exported:
-        differing = [embedding]
-        wanted[embedding] = 4
+    if plan.tied_embeddings and exported.get(embedding) != wanted.get("/lm_head/MatMul"):
+        differing = [embedding]  # the lookup reads the lm_head's table, at its bits
+        wanted[embedding] = wanted.get("/lm_head/MatMul")
     if differing:
         raise BuildError(
             f"onnx_genai: the model builder did not apply the mixed-precision plan to {differing[0]} "
@@ -185,15 +282,21 @@ def _check_plan_applied(plan: Any, dest: Path) -> None:
 
 
 def build_onnx_genai(
-    source: Path, dest: Path, step: OnnxGenAIStep, cache: Path, target_options: dict | None = None
+    source: Path,
+    dest: Path,
+    step: OnnxGenAIStep,
+    cache: Path,
+    target_options: dict | None = None,
+    shared_embeddings: bool = True,
 ) -> None:
     """Run ONNX Runtime GenAI's model builder offline on an HF folder; its log is shown only if it fails.
-    `target_options`: the builder's structured options (e.g. per-node weight types of a mixed-precision plan)."""
+    `target_options`: the builder's structured options (e.g. per-node weight types of a mixed-precision plan);
+    `shared_embeddings`: false to keep the builder from sharing a tied table (onnx_weights.py shares an int8 one)."""
     options = [f"block_size={step.block_size}", f"is_symmetric={str(step.symmetric).lower()}"]
     if step.accuracy_level:
         options.append(f"accuracy_level={step.accuracy_level}")
-    if not step.symmetric:
-        # builder 0.18 emits an invalid graph for an asymmetric (uint4) embedding shared with lm_head
+    if not step.symmetric or not shared_embeddings:
+        # builder 0.18 emits an invalid graph for an asymmetric (uint4) or an int8 embedding shared with lm_head
         options.append("shared_embeddings=false")
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(dest)]
     command += ["-p", step.precision, "-e", "cpu", "-c", str(cache)]

@@ -20,6 +20,7 @@ from tasks.errors import ArtifactError, BuildError, ConfigError
 from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase, save_tokenizer
 from tasks.local_files import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
+from tasks.techniques.calibration import statistics_cache
 from tasks.techniques.registry import ExportJob, StepArgumentError
 
 
@@ -70,11 +71,13 @@ def build_variant(
     out_dir: Path,
     calibration: list[str] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    statistics: Path | None = None,
 ) -> VariantManifest:
     """Build the variant into `out_dir`, or return the existing manifest when an intact artifact has the same key.
 
     `calibration` is the calibration split's text (pruning importance, healing, distillation); long training
-    steps checkpoint beside `out_dir` and resume there after an interruption.
+    steps checkpoint beside `out_dir` and resume there after an interruption. `statistics`: the folder of
+    content-addressed calibration captures shared by every variant and run (tasks/techniques/calibration.py).
     """
     build_key = variant_build_key(variant, base.content_hash, data_hash)
     existing = _reusable_manifest(out_dir, build_key)
@@ -82,7 +85,7 @@ def build_variant(
         return existing
     checkpoints = out_dir.with_name(out_dir.name + ".checkpoint") / build_key[:16]
     context = BuildContext(list(calibration or []), checkpoints, progress, source=base.source)
-    with staged_folder(out_dir) as staging:  # nothing half-built stays behind (checkpoints do)
+    with staged_folder(out_dir) as staging, statistics_cache(statistics):  # nothing half-built stays behind
         try:
             weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging, context)
         except StepArgumentError as exc:

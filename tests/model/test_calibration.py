@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tasks.config import VariantConfig
 from tasks.techniques.calibration import WINDOW_TOKENS, capture_inputs, mean_square, unit_token_gram
-from tasks.techniques.onnx_export import OnnxGenAIStep, _gptq_rounding
+from tasks.techniques.onnx_export import OnnxGenAIStep, _calibrated_int4
 from tasks.techniques.optimize import BuildContext
 from tasks.techniques.prune import Prune, PruneStep
 from tasks.techniques.quantize import Quantize, QuantizeStep
@@ -83,19 +83,21 @@ def test_a_calibrating_step_reads_its_window_count_from_its_setting(
     assert context.requests == [(WINDOW_TOKENS, 2)]
 
 
-def test_gptq_rounding_reads_its_window_count_from_its_setting(model, tokenizer, tmp_path):
-    context = CountingContext(tokenizer, tmp_path)
-    note = _gptq_rounding(model, OnnxGenAIStep(rounding="gptq", gptq_windows=2), None, context)
+@pytest.mark.parametrize("spelling", ["calibration_windows", "gptq_windows"])
+def test_int4_rounding_reads_its_window_count_from_its_setting(model, tokenizer, tmp_path, spelling):
+    context, notes = CountingContext(tokenizer, tmp_path), []
+    step = OnnxGenAIStep.model_validate({"rounding": "gptq", "scales": "weighted", spelling: 2})
+    _calibrated_int4(model, step, context, notes)
     assert context.requests == [(WINDOW_TOKENS, 2)]
-    assert f"on {2 * WINDOW_TOKENS:,} calibration tokens" in note
+    assert f"on {2 * WINDOW_TOKENS:,} calibration tokens" in notes[0]
 
 
 @pytest.mark.parametrize(
     ("step", "named"),
     [
         (
-            {"onnx_genai": {"precision": "int4", "gptq_windows": 8}},
-            "gptq_windows applies only with rounding: gptq",
+            {"onnx_genai": {"precision": "int4", "calibration_windows": 8}},
+            "calibration_windows applies only with rounding: gptq or scales: weighted",
         ),
         (
             {
@@ -126,7 +128,7 @@ def test_a_window_count_is_refused_where_nothing_calibrates(step, named):
 
 def test_window_counts_left_unset_keep_recipe_hashes():
     explicit = VariantConfig.model_validate({"steps": [{"onnx_genai": {"rounding": "gptq"}}]})
-    assert "gptq_windows" not in str(explicit.recipe())
+    assert "calibration_windows" not in str(explicit.recipe())
 
 
 def test_a_calibration_split_with_no_windows_is_one_clear_error(model):
@@ -134,3 +136,59 @@ def test_a_calibration_split_with_no_windows_is_one_clear_error(model):
 
     with pytest.raises(BuildError, match="the calibration split gave no token windows"):
         capture_inputs(model, {"lm_head": model.lm_head}, [], mean_square)
+
+
+def test_modules_reading_one_input_share_its_statistic_and_each_gets_the_full_sum(model, tokenizer):
+    """q, k and v read the same input: computed once, summed into each (equal to hooking q alone)."""
+    windows = [tokenizer(text)["input_ids"] for text in synthetic_sentences(3, seed=1)]
+    attn = model.model.layers[0].self_attn
+    calls = []
+
+    def counted(rows):
+        calls.append(1)
+        return mean_square(rows)
+
+    together = capture_inputs(model, {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}, windows, counted)
+    alone = capture_inputs(model, {"q": attn.q_proj}, windows, mean_square)
+    assert len(calls) == len(windows)
+    for name in "qkv":
+        assert torch.equal(together.sums[name], alone.sums["q"])
+
+
+def test_a_capture_is_read_back_for_the_same_inputs_and_run_again_when_any_changes(
+    model, tokenizer, tmp_path, monkeypatch
+):
+    """Content-addressed: same weights, modules, windows and statistics → read from the cache (the model does
+    not run); a changed weight, window, module set or statistic → captured afresh."""
+    import tasks.techniques.calibration as calibration
+
+    windows = [tokenizer(text)["input_ids"] for text in synthetic_sentences(4, seed=2)]
+    mlp = model.model.layers[1].mlp
+    runs = []
+    real_capture = calibration._capture
+
+    def counting(*args):
+        runs.append(1)
+        return real_capture(*args)
+
+    monkeypatch.setattr(calibration, "_capture", counting)
+    with calibration.statistics_cache(tmp_path / "stats"):
+
+        def capture(modules=None, ids=windows, statistic=mean_square):
+            found = capture_inputs(model, modules or {"down": mlp.down_proj}, ids, statistic)
+            return found.sums["down" if "down" in (modules or {"down": 0}) else "up"]
+
+        first = capture()
+        assert len(runs) == 1 and len(list((tmp_path / "stats").glob("*.pt"))) == 1
+        assert torch.equal(capture(), first) and len(runs) == 1  # read back
+        capture(ids=windows[:3])
+        assert len(runs) == 2  # other windows (the data or the window count changed)
+        capture(modules={"up": mlp.up_proj})
+        assert len(runs) == 3  # other modules
+        capture(statistic=unit_token_gram)
+        assert len(runs) == 4  # another statistic
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3  # another base (or an earlier step's)
+        assert not torch.equal(capture(), first) and len(runs) == 5
+    capture_inputs(model, {"down": mlp.down_proj}, windows, mean_square)
+    assert len(runs) == 6  # outside the block nothing is cached

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
@@ -186,7 +187,7 @@ def test_gptq_rounds_onto_the_exports_own_grid_and_beats_round_to_nearest(plante
     module = model.model.layers[0].mlp.down_proj
     hessian = hessians(model, {"down": module}, windows)["down"]
     weight = module.weight.detach()
-    gptq = gptq_round(weight, hessian)
+    gptq = gptq_round(weight, hessian).dequantized()
     assert torch.equal(fake_quantize(gptq, 4, 32, symmetric=True), gptq)
     rtn = fake_quantize(weight, 4, 32, symmetric=True)
 
@@ -197,21 +198,140 @@ def test_gptq_rounds_onto_the_exports_own_grid_and_beats_round_to_nearest(plante
     assert output_error(gptq) < 0.8 * output_error(rtn)
 
 
-def test_a_gptq_export_keeps_gptqs_weights_and_lowers_the_calibration_loss(planted_base, tmp_path):
+@pytest.mark.parametrize("seed", range(40))
+def test_weighted_scales_never_raise_the_weighted_error_over_round_to_nearest(seed):
+    """Property: for any block (outliers, zeros, a constant block) and any importance (zeros included), the
+    searched scale's importance-weighted error is at most round-to-nearest's, and below it in total."""
+    from tasks.techniques.gptq_rounding import weighted_round
+
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(64, 96, generator=generator) * torch.rand(64, 1, generator=generator)
+    weight[:, torch.randint(0, 96, (4,), generator=generator)] *= 30  # outlier columns
+    weight[0] = 0  # an all-zero row
+    weight[1, :32] = 0.5  # a constant block
+    importance = torch.rand(96, generator=generator) ** 4 * 100
+    importance[torch.randint(0, 96, (8,), generator=generator)] = 0
+    importance[64:] = 0 if seed % 5 == 0 else importance[64:]  # a block nobody reads
+
+    def block_errors(rounded):
+        error = importance * (weight - rounded) ** 2
+        return error.reshape(64, 3, 32).sum(-1)
+
+    searched = block_errors(weighted_round(weight, importance).dequantized())
+    nearest = block_errors(fake_quantize(weight, 4, 32, symmetric=True))
+    assert (searched <= nearest * (1 + 1e-5) + 1e-9).all()
+    assert searched.sum() < nearest.sum()  # a search that kept round-to-nearest's scales fails here
+
+
+def test_int4_levels_and_scales_pack_into_matmulnbits_bytes_and_back(tmp_path):
+    """MatMulNBits' layout: two levels a byte, low nibble first, level + 8; a ragged last block padded with 0."""
+    import numpy as np
+
+    from tasks.techniques.gptq_rounding import BlockwiseInt
+    from tasks.techniques.onnx_weights import pack_int4
+
+    levels = torch.randint(-8, 8, (5, 40), dtype=torch.int8)
+    packed, scales = pack_int4(BlockwiseInt(levels, torch.rand(5, 2), 32))
+    assert packed.shape == (5, 2, 16) and packed.dtype == np.uint8 and scales.shape == (5, 2)
+    unpacked = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(5, 64).astype(int) - 8
+    assert (unpacked[:, :40] == levels.numpy()).all() and (unpacked[:, 40:] == 0).all()
+
+
+def _build(planted_base, tmp_path, name, **settings):
     from tasks.techniques.optimize import build_variant
 
     calibration = [" ".join(synthetic_sentences(40, seed=s)) for s in range(6)]
+    recipe = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32, **settings}}]}
+    folder = tmp_path / name
+    manifest = build_variant(
+        name, VariantConfig.model_validate(recipe), planted_base, "d", folder, calibration
+    )
+    return folder, manifest, calibration
+
+
+def test_the_export_holds_exactly_the_planned_integers_and_scales_and_runs_on_them(planted_base, tmp_path):
+    """Every int4 node of a GPTQ + weighted-scales export holds the levels and scales computed from the calibration
+    split (recomputed here), and onnxruntime's logits are the torch model's with those weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.engines import load_runtime
+    from tasks.techniques.calibration import WINDOW_TOKENS
+    from tasks.techniques.gptq_rounding import round_matrices
+    from tasks.techniques.onnx_weights import read_int4
+    from tasks.techniques.optimize import BuildContext
+
+    folder, manifest, calibration = _build(
+        planted_base, tmp_path, "weighted", rounding="gptq", scales="weighted", accuracy_level=0
+    )
+    assert "GPTQ rounding with importance-weighted scales of 11 matrices" in " ".join(manifest.notes)
+    model = AutoModelForCausalLM.from_pretrained(planted_base.path)
+    tokenizer = AutoTokenizer.from_pretrained(planted_base.path)
+    windows = BuildContext(calibration, tmp_path).sequences(tokenizer, WINDOW_TOKENS, 32)
+    modules = dict(model.named_modules())
+    matrices = export_matrices(model)
+    planned = round_matrices(
+        model, {n: modules[n] for m in matrices for n in m.modules}, windows, 32, "gptq", "weighted"
+    )
+    for matrix in matrices:
+        held = read_int4(folder, matrix.node)
+        assert torch.equal(held.levels, torch.cat([planned[n].levels for n in matrix.modules])), matrix.node
+        assert torch.equal(held.scales, torch.cat([planned[n].scales for n in matrix.modules])), matrix.node
+    with torch.no_grad():
+        for name, weights in planned.items():
+            modules[name].weight.copy_(weights.dequantized())
+    ids = tokenizer(" ".join(synthetic_sentences(30, seed=77)))["input_ids"][:96]
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    ((total, count),) = load_runtime(folder, threads=1).score([ids])
+    assert abs(total / count - expected) < 1e-3
+
+
+def test_weighted_scales_beat_round_to_nearest_and_plain_gptq_on_calibration_loss(planted_base, tmp_path):
+    """On the trained planted-outlier model: the calibration loss of the export (in onnxruntime) with GPTQ on
+    importance-weighted scales is below round-to-nearest's and plain GPTQ's."""
     losses = {}
-    for rounding in ("rtn", "gptq"):
-        recipe = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32, "rounding": rounding}}]}
-        folder = tmp_path / rounding
-        manifest = build_variant(
-            rounding, VariantConfig.model_validate(recipe), planted_base, "d", folder, calibration
-        )
-        losses[rounding] = _held_out_loss(folder)
-        if rounding == "gptq":
-            assert "GPTQ rounding of 11 of 11 matrices" in " ".join(manifest.notes)
-    assert losses["gptq"] < losses["rtn"]
+    for name, settings in {
+        "rtn": {},
+        "gptq": {"rounding": "gptq"},
+        "weighted": {"rounding": "gptq", "scales": "weighted"},
+    }.items():
+        folder, _, calibration = _build(planted_base, tmp_path, name, **settings)
+        losses[name] = _loss(folder, " ".join(calibration))
+    assert losses["weighted"] < losses["gptq"] < losses["rtn"], losses
+
+
+def test_a_tied_int8_lm_head_shares_its_table_with_the_embedding_lookup(planted_base, tmp_path):
+    """`lm_head: int8` on a tied model: the lm_head is int8 and the embedding lookup reads that same table
+    (GatherBlockQuantized, 8 bits) instead of a float32 copy; the int4 embedding of the plain export is gone."""
+    import onnx
+
+    folder, manifest, _ = _build(planted_base, tmp_path, "head8", lm_head="int8")
+    bits = weight_bits(folder)
+    assert bits["/lm_head/MatMul"] == 8 and bits["/model/embed_tokens/GatherBlockQuantized"] == 8
+    assert bits["/model/layers.0/mlp/down_proj/MatMul"] == 4
+    graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
+    assert not [node for node in graph.node if node.op_type == "Gather" and "embed" in node.name]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(planted_base.path)
+    table = [config.vocab_size, config.hidden_size]
+    floats = [
+        i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT and list(i.dims) == table
+    ]
+    assert not floats, floats  # no float32 copy of the embedding table
+    assert "the embedding lookup reads the tied int8 lm_head's table" in " ".join(manifest.notes)
+    plain, _, _ = _build(planted_base, tmp_path, "plain")
+    text = " ".join(synthetic_sentences(60, seed=77))
+    assert _loss(folder, text) < _loss(plain, text)
+
+
+def _loss(folder: Path, text: str) -> float:
+    from tasks.engines import load_runtime
+
+    runtime = load_runtime(folder, threads=1)
+    ids = runtime.encode(text)
+    scored = runtime.score([ids[i : i + 128] for i in range(0, min(len(ids), 1024) - 8, 128)])
+    return sum(total for total, _ in scored) / sum(count for _, count in scored)
 
 
 def _held_out_loss(folder: Path) -> float:
