@@ -37,7 +37,13 @@ if [ ! -f "${wheels[0]}" ]; then
     "machine (~5 min on 2 cores) ..."
   start=$SECONDS
   CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" CMAKE_ARGS=$cmake_args \
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "${pip[@]}" wheel --no-deps "$sdist" -w "$built"
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "${pip[@]}" wheel --no-deps "$sdist" -w "$built" &
+  compiler=$!
+  while kill -0 "$compiler" 2>/dev/null; do  # a line every 30 s, so a silent console is not taken for a hang
+    for _ in 1 2 3 4 5 6; do sleep 5; kill -0 "$compiler" 2>/dev/null || break; done
+    if kill -0 "$compiler" 2>/dev/null; then echo "  ... still compiling llama.cpp ($((SECONDS - start)) s)"; fi
+  done
+  wait "$compiler"
   echo "llama-cpp-python $version: built in $((SECONDS - start)) s; wheel kept in $built"
   wheels=("$built"/llama_cpp_python-"$version"-*.whl)
 fi
