@@ -255,8 +255,9 @@ def _check_weights_written(dest: Path, int4: dict[str, Any]) -> None:
 
     from tasks.techniques.onnx_weights import read_int4
 
+    stored = read_int4(dest, list(int4)) if int4 else {}
     for node, planned in int4.items():
-        held = read_int4(dest, node)
+        held = stored[node]
         if not (
             torch.equal(held.levels, planned.levels) and torch.equal(held.scales, planned.scales.float())
         ):

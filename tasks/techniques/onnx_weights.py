@@ -55,25 +55,28 @@ def pack_int4(weights: BlockwiseInt) -> tuple[Any, Any]:
     return packed, weights.scales.numpy().astype(np.float32)
 
 
-def read_int4(folder: Path, node_name: str) -> BlockwiseInt:
-    """The levels and scales an exported 4-bit MatMulNBits node holds."""
+def read_int4(folder: Path, node_names: list[str]) -> dict[str, BlockwiseInt]:
+    """The levels and scales exported 4-bit MatMulNBits nodes hold, by node name (the model is read once)."""
     import numpy as np
     import onnx_ir as ir
     import torch
 
-    model = ir.load(folder / MODEL_FILE)
-    node = _int4_nodes(model).get(node_name)
-    if node is None:
-        raise BuildError(f"onnx_genai: {folder / MODEL_FILE} has no 4-bit MatMulNBits node {node_name}")
-    packed = node.inputs[1].const_value.numpy()
-    scales = node.inputs[2].const_value.numpy()
-    rows, columns, block = _attribute(node, "N"), _attribute(node, "K"), _attribute(node, "block_size")
-    levels = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)[:, :columns]
-    return BlockwiseInt(
-        torch.from_numpy(levels.astype(np.int8) - 8),
-        torch.from_numpy(scales.reshape(rows, -1).astype(np.float32)),
-        block,
-    )
+    nodes = _int4_nodes(ir.load(folder / MODEL_FILE))
+    found = {}
+    for name in node_names:
+        node = nodes.get(name)
+        if node is None:
+            raise BuildError(f"onnx_genai: {folder / MODEL_FILE} has no 4-bit MatMulNBits node {name}")
+        packed = node.inputs[1].const_value.numpy()
+        scales = node.inputs[2].const_value.numpy()
+        rows, columns, block = _attribute(node, "N"), _attribute(node, "K"), _attribute(node, "block_size")
+        levels = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)[:, :columns]
+        found[name] = BlockwiseInt(
+            torch.from_numpy(levels.astype(np.int8) - 8),
+            torch.from_numpy(scales.reshape(rows, -1).astype(np.float32)),
+            block,
+        )
+    return found
 
 
 def write_weights(folder: Path, int4: dict[str, BlockwiseInt], share_int8_lm_head: bool) -> list[str]:

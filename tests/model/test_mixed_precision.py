@@ -272,8 +272,9 @@ def test_the_export_holds_exactly_the_planned_integers_and_scales_and_runs_on_th
     planned = round_matrices(
         model, {n: modules[n] for m in matrices for n in m.modules}, windows, 32, "gptq", "weighted"
     )
+    stored = read_int4(folder, [m.node for m in matrices])
     for matrix in matrices:
-        held = read_int4(folder, matrix.node)
+        held = stored[matrix.node]
         assert torch.equal(held.levels, torch.cat([planned[n].levels for n in matrix.modules])), matrix.node
         assert torch.equal(held.scales, torch.cat([planned[n].scales for n in matrix.modules])), matrix.node
     with torch.no_grad():
