@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,21 +83,34 @@ def capture_statistics(
     if path.is_file():
         import torch
 
-        stored = torch.load(path, weights_only=True)
+        stored = torch.load(path, weights_only=True, map_location="cpu")
         if progress is not None:
             progress(len(windows), len(windows))
         return {kind: InputStatistics(entry["sums"], int(entry["tokens"])) for kind, entry in stored.items()}
     found = _capture(model, modules, windows, statistics, progress)
-    _store(path, {kind: {"sums": f.sums, "tokens": f.tokens} for kind, f in found.items()})
+    _store(
+        path,
+        {
+            kind: {"sums": {n: t.cpu() for n, t in f.sums.items()}, "tokens": f.tokens}
+            for kind, f in found.items()
+        },
+    )
     return found
 
 
 def capture_key(
     model: Any, modules: dict[str, Any], windows: list[list[int]], statistics: dict[str, Callable[[Any], Any]]
 ) -> str:
-    """Content address of a capture: every weight and buffer of the model, the modules hooked (by name and the
-    module they are), the windows' token ids and each statistic's code."""
+    """Content address of a capture: every weight and buffer of the model, its config, the modules hooked (by name
+    and the module they are), the windows' token ids, each statistic's code, this module's and the libraries'."""
+    from importlib import metadata
+
     digest = hashlib.sha256()
+    digest.update(Path(__file__).read_bytes())
+    for package in ("torch", "transformers"):
+        digest.update(f"{package}={metadata.version(package)}\0".encode())
+    config = getattr(model, "config", None)
+    digest.update((config.to_json_string() if config is not None else type(model).__name__).encode())
     for name, tensor in model.state_dict().items():
         data = tensor.detach().cpu().contiguous()
         digest.update(f"{name}\0{data.dtype}\0{tuple(data.shape)}\0".encode())
@@ -120,9 +134,14 @@ def _store(path: Path, entries: dict[str, Any]) -> None:
     import torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}")
-    torch.save(entries, staging)
-    os.replace(staging, path)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
+    try:
+        torch.save(entries, staging)
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
 
 
 def _capture(

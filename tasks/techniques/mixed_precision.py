@@ -97,7 +97,7 @@ class PrecisionPlan:
 
     def builder_options(self) -> dict[str, Any]:
         """`--target_options` of ONNX Runtime GenAI's model builder: these nodes at int8, the rest at int4."""
-        return int8_overrides(self.int8_nodes)
+        return int8_overrides(self.int8_nodes, self.tied_embeddings)
 
     def note(self) -> str:
         kept = len(self.int8_nodes)
@@ -109,12 +109,12 @@ class PrecisionPlan:
         )
 
 
-def int8_overrides(nodes: list[str]) -> dict[str, Any]:
+def int8_overrides(nodes: list[str], tied: bool) -> dict[str, Any]:
     """The model builder's `--target_options` keeping `nodes` at int8 in an int4 export. op_types are named, or the
-    structured config quantizes MatMuls only and a tied embedding is stored float32; but with the lm_head at int8
-    the embedding is left to the builder's float Gather (builder 0.18 writes an invalid graph for an int8 shared
-    table), which tasks/techniques/onnx_weights.py then points at the lm_head's int8 table."""
-    op_types = ["MatMul"] if "/lm_head/MatMul" in nodes else ["MatMul", "Gather"]
+    structured config quantizes MatMuls only and an embedding is stored float32; but a tied model's embedding is
+    left to the builder's float Gather when its lm_head is int8 (builder 0.18 writes an invalid graph for an int8
+    shared table), which tasks/techniques/onnx_weights.py then points at the lm_head's int8 table where it can."""
+    op_types = ["MatMul"] if tied and "/lm_head/MatMul" in nodes else ["MatMul", "Gather"]
     overrides = [{"match": {"name": node}, "type": "int8"} for node in nodes]
     return {"quant_config": {"weights": {"op_types": op_types, "overrides": overrides}}}
 
@@ -189,6 +189,7 @@ def search(
     scale_bytes: int = SCALE_BYTES,
     group: Callable[[Matrix], str] | None = None,
     int4_weights: dict[str, Any] | None = None,
+    shared_int8_table: bool = True,
 ) -> PrecisionPlan:
     """The per-matrix precision plan for `model` (left as it was) from the calibration `windows`.
 
@@ -199,7 +200,9 @@ def search(
     windows) says what that saves, and the search keeps whole groups at 8 bits; every plan is still measured in
     full. A `size_budget` with no room for any unit at 8 bits is refused before anything is measured.
     `int4_weights` (torch module name → its weight as the export stores it at 4 bits, e.g. GPTQ-rounded): used
-    instead of round-to-nearest wherever a matrix is at 4 bits, in the costs and the measurements."""
+    instead of round-to-nearest wherever a matrix is at 4 bits, in the costs and the measurements.
+    `shared_int8_table`: whether a tied int8 lm_head's table serves the embedding lookup too (else the export keeps
+    a float32 copy for it, which keeping the lm_head at int8 costs)."""
     import torch
 
     if not windows:
@@ -224,7 +227,7 @@ def search(
 
     def at_bits(name: str, bits: int) -> Any:
         if bits == 4 and int4_weights is not None:
-            return int4_weights[name].to(originals[name].dtype)
+            return int4_weights[name].to(originals[name])
         return fake_quantize(originals[name], bits, block, symmetric)
 
     def loss() -> float:
@@ -247,8 +250,9 @@ def search(
     }
     extra = {}
     for matrix in matrices:
-        # a tied lm_head's table is the embedding's at either precision (tasks/techniques/onnx_weights.py)
         extra[matrix.node] = size[matrix.node][8] - size[matrix.node][4]
+        if tied and matrix.node == "/lm_head/MatMul" and not shared_int8_table:
+            extra[matrix.node] += matrix.parameters * 4 - size[matrix.node][4]  # + a float32 embedding table
     int8_bytes = sum(size[m.node][8] for m in matrices)
     int4_bytes = sum(size[m.node][4] for m in matrices)
     budget = size_budget * int8_bytes - int4_bytes

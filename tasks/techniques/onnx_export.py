@@ -94,8 +94,12 @@ class OnnxGenAI(Technique):
 
         export, context, notes = settings, job.context, []
         rounded = _calibrated_int4(model, export, context, notes) if export.calibrated else None
-        plan = _mixed_precision_plan(model, export, context, rounded) if export.mixed_precision else None
-        options = plan.builder_options() if plan else _lm_head_options(export)
+        shared = table_shareable(model, export)
+        plan = (
+            _mixed_precision_plan(model, export, context, rounded, shared) if export.mixed_precision else None
+        )
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        options = plan.builder_options() if plan else _lm_head_options(export, tied)
         with tempfile.TemporaryDirectory(prefix="llmopt-export-") as scratch:
             source = (
                 job.base_path
@@ -106,8 +110,11 @@ class OnnxGenAI(Technique):
             head8 = head8 or bool(plan and "/lm_head/MatMul" in plan.int8_nodes)
             build_onnx_genai(source, job.dest, export, Path(scratch) / "builder-cache", options, not head8)
         int4 = _int4_weights(model, rounded, plan, export) if rounded else {}
-        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        written = write_weights(job.dest, int4, share_int8_lm_head=tied) if int4 or tied else []
+        written = write_weights(job.dest, int4, share_int8_lm_head=shared) if int4 or shared else []
+        if shared and head8 and "embedding ← int8 lm_head table" not in written:
+            raise BuildError(
+                "onnx_genai: the exported embedding lookup could not be pointed at the int8 lm_head"
+            )
         _check_weights_written(job.dest, int4)
         note = f"ONNX Runtime GenAI {export.precision}, block {export.block_size}, accuracy level {export.accuracy_level}"
         if export.lm_head == "int8":
@@ -115,7 +122,7 @@ class OnnxGenAI(Technique):
         if "embedding ← int8 lm_head table" in written:
             note += "; the embedding lookup reads the tied int8 lm_head's table"
         if plan:
-            _check_plan_applied(plan, job.dest)
+            _check_plan_applied(plan, job.dest, shared)
             context.mixed_precision = plan.to_dict()
             note += f"; {plan.note()}"
         return Exported(ONNX_GENAI, onnx_genai.ENGINE, [*notes, note])
@@ -179,8 +186,16 @@ class OnnxGenAI(Technique):
         ]
 
 
+def table_shareable(model: Any, export: OnnxGenAIStep) -> bool:
+    """Whether the embedding lookup can read a tied int8 lm_head's table (GatherBlockQuantized): tied, symmetric
+    (no zero points), and whole blocks per row."""
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    hidden = model.get_input_embeddings().weight.shape[1]
+    return tied and export.symmetric and hidden % export.block_size == 0
+
+
 def _mixed_precision_plan(
-    model: Any, export: OnnxGenAIStep, context: Any, rounded: dict[str, Any] | None
+    model: Any, export: OnnxGenAIStep, context: Any, rounded: dict[str, Any] | None, shared: bool
 ) -> Any:
     """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's),
     with each matrix at int4 as the export will store it (`rounded`: llmopt's own rounding, else the builder's)."""
@@ -199,6 +214,7 @@ def _mixed_precision_plan(
             export.symmetric,
             context.report,
             int4_weights=int4,
+            shared_int8_table=shared,
         )
 
 
@@ -242,11 +258,11 @@ def _int4_weights(model: Any, rounded: dict[str, Any], plan: Any, export: OnnxGe
     return weights
 
 
-def _lm_head_options(export: OnnxGenAIStep) -> dict | None:
+def _lm_head_options(export: OnnxGenAIStep, tied: bool) -> dict | None:
     """The builder's `--target_options` for an int8 `lm_head` in an int4 export."""
     from tasks.techniques.mixed_precision import int8_overrides
 
-    return int8_overrides(["/lm_head/MatMul"]) if export.lm_head == "int8" else None
+    return int8_overrides(["/lm_head/MatMul"], tied) if export.lm_head == "int8" else None
 
 
 def _check_weights_written(dest: Path, int4: dict[str, Any]) -> None:
@@ -266,15 +282,17 @@ def _check_weights_written(dest: Path, int4: dict[str, Any]) -> None:
             )
 
 
-def _check_plan_applied(plan: Any, dest: Path) -> None:
+def _check_plan_applied(plan: Any, dest: Path, shared: bool) -> None:
     """The exported graph has int8 exactly where the plan put it (a builder that ignored an override is named)."""
     exported = weight_bits(dest)
     wanted = {choice.node: choice.bits for choice in plan.matrices}
     differing = [node for node, bits in wanted.items() if exported.get(node) != bits]
     embedding = "/model/embed_tokens/GatherBlockQuantized"
-    if plan.tied_embeddings and exported.get(embedding) != wanted.get("/lm_head/MatMul"):
-        differing = [embedding]  # the lookup reads the lm_head's table, at its bits
-        wanted[embedding] = wanted.get("/lm_head/MatMul")
+    head = wanted.get("/lm_head/MatMul")
+    lookup = head if head == 4 or shared else None  # the lm_head's table, or (int8, unshareable) a float one
+    if plan.tied_embeddings and exported.get(embedding) != lookup:
+        differing = [embedding]
+        wanted[embedding] = lookup
     if differing:
         raise BuildError(
             f"onnx_genai: the model builder did not apply the mixed-precision plan to {differing[0]} "

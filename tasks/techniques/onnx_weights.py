@@ -146,5 +146,6 @@ def _share_lm_head_table(model: Any) -> bool:
     model.graph.insert_before(gather, [reshape, lookup])
     ir.convenience.replace_all_uses_with(gather.outputs[0], lookup.outputs[0])
     model.graph.remove(gather, safe=True)
-    model.graph.initializers.pop(table.name)
+    if not table.uses():
+        model.graph.initializers.pop(table.name)
     return True

@@ -139,7 +139,8 @@ def test_a_calibration_split_with_no_windows_is_one_clear_error(model):
 
 
 def test_modules_reading_one_input_share_its_statistic_and_each_gets_the_full_sum(model, tokenizer):
-    """q, k and v read the same input: computed once, summed into each (equal to hooking q alone)."""
+    """q, k and v read the same input: computed once, summed into each (equal to hooking q alone); o_proj, called
+    right after, reads another and gets its own."""
     windows = [tokenizer(text)["input_ids"] for text in synthetic_sentences(3, seed=1)]
     attn = model.model.layers[0].self_attn
     calls = []
@@ -148,11 +149,14 @@ def test_modules_reading_one_input_share_its_statistic_and_each_gets_the_full_su
         calls.append(1)
         return mean_square(rows)
 
-    together = capture_inputs(model, {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj}, windows, counted)
-    alone = capture_inputs(model, {"q": attn.q_proj}, windows, mean_square)
-    assert len(calls) == len(windows)
+    hooked = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj}
+    together = capture_inputs(model, hooked, windows, counted)
+    alone = {name: capture_inputs(model, {name: hooked[name]}, windows, mean_square) for name in ("q", "o")}
+    assert len(calls) == 2 * len(windows)  # q/k/v's one input, o's own
     for name in "qkv":
-        assert torch.equal(together.sums[name], alone.sums["q"])
+        assert torch.equal(together.sums[name], alone["q"].sums["q"])
+    assert torch.equal(together.sums["o"], alone["o"].sums["o"])
+    assert not torch.equal(together.sums["o"], together.sums["q"][: together.sums["o"].shape[0]])
 
 
 def test_a_capture_is_read_back_for_the_same_inputs_and_run_again_when_any_changes(

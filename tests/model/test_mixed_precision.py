@@ -324,6 +324,11 @@ def test_a_tied_int8_lm_head_shares_its_table_with_the_embedding_lookup(planted_
     plain, _, _ = _build(planted_base, tmp_path, "plain")
     text = " ".join(synthetic_sentences(60, seed=77))
     assert _loss(folder, text) < _loss(plain, text)
+    int8, manifest, _ = _build(
+        planted_base, tmp_path, "int8", precision="int8"
+    )  # an int8 export shares it too
+    assert weight_bits(int8)["/model/embed_tokens/GatherBlockQuantized"] == 8
+    assert "the embedding lookup reads the tied int8 lm_head's table" in " ".join(manifest.notes)
 
 
 def _loss(folder: Path, text: str) -> float:

@@ -24,10 +24,20 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_repository_params_file_loads_with_three_variants():
+def test_repository_params_files_load_and_the_full_profile_keeps_what_the_default_dropped():
     config = load_config(REPO / "params.yaml")
-    assert set(config.variants) >= {"baseline", "bf16", "int8_dynamic", "onnx_int8", "onnx_int4"}
-    assert config.variants["int8_dynamic"].steps[0].kind == "quantize"
+    assert set(config.variants) >= {
+        "baseline",
+        "onnx_int8",
+        "onnx_int4_weighted",
+        "onnx_int4_mixed",
+        "gguf_shipped",
+    }
+    assert config.variants["onnx_int4_weighted"].steps[0].onnx_genai.scales == "weighted"
+    full = load_config(REPO / "params.full.yaml")
+    moved = {"bf16", "int8_dynamic", "onnx_int4", "onnx_int4_gptq", "pruned_onnx_int8", "distilled_onnx_int8"}
+    assert set(full.variants) >= set(config.variants) | moved
+    assert full.variants["int8_dynamic"].steps[0].kind == "quantize"
 
 
 def test_minimal_file_gets_documented_defaults(tmp_path):
