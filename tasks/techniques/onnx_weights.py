@@ -79,15 +79,15 @@ def read_int4(folder: Path, node_names: list[str]) -> dict[str, BlockwiseInt]:
     return found
 
 
-def write_weights(folder: Path, int4: dict[str, BlockwiseInt], share_int8_lm_head: bool) -> list[str]:
+def write_weights(folder: Path, int4: dict[str, BlockwiseInt], share_int8_lm_head: bool) -> None:
     """Put `int4` (node name → its weights; q/k/v rows stacked for the fused node) into the exported graph, and
-    with `share_int8_lm_head` let the embedding lookup read a tied int8 lm_head's table. Returns what changed."""
+    with `share_int8_lm_head` let the embedding lookup read a tied int8 lm_head's table (a BuildError if it
+    cannot)."""
     import onnx_ir as ir
 
     path = folder / MODEL_FILE
     model = ir.load(path)
     nodes = _int4_nodes(model)
-    done = []
     for name, weights in int4.items():
         node = nodes.get(name)
         if node is None:
@@ -103,17 +103,13 @@ def write_weights(folder: Path, int4: dict[str, BlockwiseInt], share_int8_lm_hea
         packed, scales = pack_int4(weights)
         for value, array in ((node.inputs[1], packed), (node.inputs[2], scales)):
             value.const_value = ir.tensor(array.reshape(value.const_value.shape.numpy()), name=value.name)
-        done.append(name)
-    if share_int8_lm_head and _share_lm_head_table(model):
-        done.append("embedding ← int8 lm_head table")
-    if not done:  # nothing to change: the builder's files stay as they are
-        return done
+    if share_int8_lm_head and not _share_lm_head_table(model):
+        raise BuildError("onnx_genai: the exported embedding lookup could not be pointed at the int8 lm_head")
     with tempfile.TemporaryDirectory(prefix="onnx-weights-", dir=folder) as staging:
         staged = Path(staging) / MODEL_FILE
         ir.save(model, staged, external_data=f"{MODEL_FILE}.data")
         for file in (MODEL_FILE, f"{MODEL_FILE}.data"):
             shutil.move(Path(staging) / file, folder / file)
-    return done
 
 
 def _share_lm_head_table(model: Any) -> bool:
