@@ -31,12 +31,12 @@ NOT_BUILT = "not built into llmopt yet (issue 26)"
 
 @dataclass(frozen=True)
 class Check:
-    """One technique to try: its recipe, the packages it needs, and why it cannot run on a CPU (None: it can)."""
+    """One technique to try: its recipe and the packages it needs. Whether the device can run it is llmopt's own
+    pre-flight answer (tasks.targets), so the script skips what `llmopt run` would refuse, with the same line."""
 
     technique: str
     recipe: dict[str, Any]
     packages: tuple[str, ...] = ()
-    cuda_only: str | None = None
     missing: str | None = None  # set: llmopt has no code for it yet, so it is always skipped with this reason
 
 
@@ -44,31 +44,30 @@ def _quantize(method: str, **settings: Any) -> dict[str, Any]:
     return {"steps": [{"quantize": {"method": method, **settings}}]}
 
 
+TORCHAO, BNB = ("torchao",), ("bitsandbytes", "accelerate")
 CHECKS = (
     Check("fp32", {}),
     Check("bf16", {"runtime": {"dtype": "bfloat16"}}),
-    Check("fp16", {"runtime": {"dtype": "float16"}}, cuda_only="float16 has no fast matmul kernels on a CPU"),
+    Check("fp16", {"runtime": {"dtype": "float16"}}),
     Check("bf16_static_kv", {"runtime": {"dtype": "bfloat16", "kv_cache": "static"}}),
-    Check("eager_attention", {"runtime": {"attention": "eager"}}),
-    Check("torchao_int8_weight_only", _quantize("torchao_int8_weight_only"), ("torchao",)),
-    Check("torchao_int8_dynamic", _quantize("torchao_int8_dynamic"), ("torchao",)),
-    Check("torchao_int4_weight_only", _quantize("torchao_int4_weight_only"), ("torchao",)),
-    Check("bnb_nf4", _quantize("bnb_nf4", compute_dtype="bfloat16"), ("bitsandbytes", "accelerate")),
-    Check("bnb_int8", _quantize("bnb_int8"), ("bitsandbytes", "accelerate")),
-    Check("quanto_w8a16", _quantize("quanto_w8a16"), ("optimum-quanto",)),
-    Check("torchao_int4_tile_packed", {}, ("torchao",), "tinygemm int4 kernels are CUDA-only", NOT_BUILT),
-    Check("fp8_per_row", {}, ("torchao",), "FP8 matmuls need a GPU of compute capability 8.9+", NOT_BUILT),
-    Check("gptq_onto_torchao_int4", {}, ("torchao",), "its int4 grid is the tile-packed CUDA one", NOT_BUILT),
-    Check("sdpa_flash", {"runtime": {"attention": "sdpa_flash", "dtype": "bfloat16"}}),
     Check(
-        "sdpa_efficient",
-        {"runtime": {"attention": "sdpa_efficient", "dtype": "bfloat16"}},
-        (),
-        "a CUDA kernel",
+        "bf16_static_kv_compiled", {"runtime": {"dtype": "bfloat16", "kv_cache": "static", "compile": True}}
     ),
-    Check("sdpa_cudnn", {"runtime": {"attention": "sdpa_cudnn", "dtype": "bfloat16"}}, (), "a CUDA kernel"),
-    Check("static_kv_compiled", {}, (), "CUDA graphs (reduce-overhead) need a GPU", NOT_BUILT),
-    Check("tensor_parallel_2", {}, (), "needs two GPUs", NOT_BUILT),
+    Check("eager_attention", {"runtime": {"attention": "eager"}}),
+    Check("sdpa_flash", {"runtime": {"attention": "sdpa_flash", "dtype": "bfloat16"}}),
+    Check("sdpa_efficient", {"runtime": {"attention": "sdpa_efficient", "dtype": "bfloat16"}}),
+    Check("sdpa_cudnn", {"runtime": {"attention": "sdpa_cudnn", "dtype": "bfloat16"}}),
+    Check("torchao_int8_weight_only", _quantize("torchao_int8_weight_only"), TORCHAO),
+    Check("torchao_int8_dynamic", _quantize("torchao_int8_dynamic"), TORCHAO),
+    Check("torchao_int4_weight_only", _quantize("torchao_int4_weight_only"), TORCHAO),
+    Check("torchao_int4_tinygemm", _quantize("torchao_int4_tinygemm"), TORCHAO),
+    Check("torchao_int4_gptq", _quantize("torchao_int4_gptq", calibration_windows=8), TORCHAO),
+    Check("torchao_fp8_per_row", _quantize("torchao_fp8_per_row"), TORCHAO),
+    Check("bnb_nf4", _quantize("bnb_nf4", compute_dtype="bfloat16"), BNB),
+    Check("bnb_fp4", _quantize("bnb_fp4", compute_dtype="bfloat16"), BNB),
+    Check("bnb_int8", _quantize("bnb_int8"), BNB),
+    Check("quanto_w8a16", _quantize("quanto_w8a16"), ("optimum-quanto",)),
+    Check("tensor_parallel_2", {}, (), NOT_BUILT),
 )
 
 
@@ -96,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         for check in CHECKS:
             left = args.deadline_s - (time.monotonic() - started)
             result = _run_check(check, base, device, Path(scratch), reference, left, args.tiny)
+            if check.technique == "fp32" and result["status"] != "ran":
+                print(f"gpu-check: the fp32 reference failed: {result.get('reason')}", file=sys.stderr)
             if check.technique == "fp32" and result["status"] == "ran":
                 reference = result.pop("_logits")
             result.pop("_logits", None)
@@ -127,6 +128,7 @@ class GeneratedBase:
     prepared: Any  # tasks.inputs.load.PreparedBase
     facts: dict[str, Any]
     probe: list[list[int]]  # token sequences whose logits every technique is compared on
+    calibration: list[str]  # the calibration split of techniques that calibrate (generated sentences)
 
 
 def _generated_llama(folder: Path, tiny: bool) -> GeneratedBase:
@@ -186,7 +188,8 @@ def _generated_llama(folder: Path, tiny: bool) -> GeneratedBase:
     if len(probe[-1]) != 64:
         raise RuntimeError("the generated text tokenizes to fewer than 256 tokens")
     facts = {"parameters": sum(p.numel() for p in model.parameters()), **shape, "vocab": config.vocab_size}
-    return GeneratedBase(PreparedBase(folder, folder_sha256(folder), "generated"), facts, probe)
+    calibration = [" ".join(text[i : i + 20]) for i in range(200, 400, 20)]
+    return GeneratedBase(PreparedBase(folder, folder_sha256(folder), "generated"), facts, probe, calibration)
 
 
 def _run_check(
@@ -196,7 +199,7 @@ def _run_check(
     missing = [package for package in check.packages if not _installed(package)]
     reason = (
         check.missing
-        or (check.cuda_only if device == "cpu" else None)
+        or _refused(check, device)
         or (f"needs {', '.join(missing)}, not installed" if missing else None)
         or ("the deadline was reached before it started" if left_s <= 0 else None)
     )
@@ -207,6 +210,20 @@ def _run_check(
     except Exception as exc:  # one technique's failure is its result, not the end of the check
         trace = traceback.format_exception(exc)[-3:]
         return {**result, "status": "failed", "reason": f"{type(exc).__name__}: {exc}"[:500], "trace": trace}
+
+
+def _refused(check: Check, device: str) -> str | None:
+    """llmopt's pre-flight line for this recipe on `device` (None: `llmopt run` would run it)."""
+    import torch
+
+    from tasks.config import Config
+    from tasks.targets import target_problems
+
+    config = Config.model_validate(
+        {"target": {"device": device}, "variants": {"baseline": {}, check.technique: check.recipe}}
+    )
+    problems = target_problems(config, torch.cuda.is_available(), torch.cuda.device_count())
+    return "; ".join(problem.split(": ", 1)[1] for problem in problems) or None
 
 
 def _measure(
@@ -222,15 +239,19 @@ def _measure(
     started = time.perf_counter()
     folder = scratch / check.technique
     build_variant(
-        check.technique, VariantConfig.model_validate(check.recipe), base.prepared, "generated", folder
+        check.technique,
+        VariantConfig.model_validate(check.recipe),
+        base.prepared,
+        "generated",
+        folder,
+        calibration=base.calibration,
     )
     build_s = time.perf_counter() - started
     runtime = load_runtime(folder, threads=os.cpu_count() or 1, device=device)
     logits = _probe_logits(runtime, base.probe)
     del runtime
     if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.empty_cache()  # the benchmark's peak starts from its own load
     cfg = BenchmarkConfig(
         prompt_tokens=32 if tiny else 128,
         new_tokens=8 if tiny else 32,
@@ -248,14 +269,17 @@ def _measure(
         "build_s": round(build_s, 2),
         "ttft_ms": round(measured.ttft_ms, 2),
         "decode_tok_s": {str(b.batch_size): round(b.decode_tok_s, 1) for b in measured.batches},
-        "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if device == "cuda" else None,
+        "peak_gpu_mb": None if measured.peak_gpu_mb is None else round(measured.peak_gpu_mb, 1),
         "peak_rss_mb": round(measured.peak_rss_mb, 1),
         "bytes_per_step": measured.decode_read_bytes,
         "bandwidth_gbs": round(bandwidth, 1),
         "bandwidth_share": round(
             roofline_fraction(measured.decode_tok_s, measured.decode_read_bytes, bandwidth), 4
         ),
-        "compile_s": None,
+        "first_call_s": round(measured.first_call_s, 2),
+        "compile_s": round(measured.first_call_s, 2)
+        if check.recipe.get("runtime", {}).get("compile")
+        else None,
         "_logits": logits,
     }
     if reference is not None:

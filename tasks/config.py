@@ -164,6 +164,12 @@ class RuntimeSettings(Strict):
     threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # None: target.threads
     # The torch engine's inference wrapper: none (eager transformers) or DeepSpeed's init_inference.
     wrapper: Literal["none", "deepspeed"] = "none"
+    # torch.compile of the decode step with CUDA graphs (fullgraph, reduce-overhead) over the static KV cache; cuda
+    # targets only. Off, a static cache is never compiled (transformers would compile it on a GPU by itself).
+    compile: bool = False
+    # Settings added after build keys were first recorded: they enter `identity` only when not at their default,
+    # so variants that do not use them keep their keys.
+    ADDED_LATER: ClassVar[dict[str, Any]] = {"compile": False}
     FORMER: ClassVar[dict[str, Former]] = {
         "engine": Former(
             "wrapper",
@@ -193,7 +199,11 @@ class RuntimeSettings(Strict):
     def identity(self) -> dict[str, Any]:
         """Every setting resolved, as the build keys and model hashes have always read them (the wrapper under
         its former name), so a variant built before the rename is still found."""
-        return _former_wrapper(self.model_dump(mode="json"))
+        data = self.model_dump(mode="json")
+        for name, default in self.ADDED_LATER.items():
+            if data[name] == default:
+                del data[name]
+        return _former_wrapper(data)
 
     @model_validator(mode="after")
     def _settings_agree(self) -> RuntimeSettings:
@@ -201,11 +211,13 @@ class RuntimeSettings(Strict):
             raise ValueError("kv_cache_bits applies only with kv_cache: quantized")
         if self.sliding_window is not None and self.kv_cache == "static":
             raise ValueError("sliding_window bounds the cache itself; leave kv_cache at dynamic or quantized")
+        if self.compile and self.kv_cache != "static":
+            raise ValueError("compile replays the decode step over a fixed-shape cache: set kv_cache: static")
         return self
 
     def torch_only(self) -> list[str]:
         """Settings that the torch engines honour and ONNX Runtime GenAI does not."""
-        names = ("attention", "kv_cache", "kv_cache_bits", "sliding_window", "wrapper")
+        names = ("attention", "kv_cache", "kv_cache_bits", "sliding_window", "wrapper", "compile")
         return [name for name in names if name in self.model_fields_set]
 
 

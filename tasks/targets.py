@@ -71,6 +71,12 @@ def _runtime_problems(where: str, runtime: RuntimeSettings, device: str, cuda: b
             f"{where}.dtype: float16 has no fast matmul kernels on a cpu target (it runs slower than "
             "float32); use bfloat16"
         )
+    if runtime.compile and not cuda:
+        problems.append(
+            f"{where}.compile: compiling the decode step with CUDA graphs needs a cuda target, not {device} "
+            "(on this CPU torch.compile + static cache gave no gain for 80–110 s of compiling); use onnx_genai "
+            "or llama_cpp for a fast CPU decoder"
+        )
     if runtime.wrapper == "deepspeed" and cuda:
         problems.append(
             f"{where}.wrapper: deepspeed is set up for CPU inference here (world size 1, no kernel injection); "
@@ -87,3 +93,14 @@ def check_target(config: Config) -> None:
     if problems:
         more = f" (+{len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
         raise TargetError(f"target {config.target.device}: {problems[0]}{more}")
+
+
+def cuda_capability(device: str) -> tuple[int, int] | None:
+    """The compute capability of the GPU a cuda target names (None where torch sees no such GPU)."""
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor

@@ -46,6 +46,8 @@ CLAIMS = {
     "torchao_int8_weight_only": Claim(_quantize("torchao_int8_weight_only"), "grid", 8, EIGHT),
     "torchao_int8_dynamic": Claim(_quantize("torchao_int8_dynamic"), "grid", 8, EIGHT),
     "torchao_int4_weight_only": Claim(_quantize("torchao_int4_weight_only"), "grid", 4, FOUR),
+    "torchao_int4_tinygemm": Claim(_quantize("torchao_int4_tinygemm"), "grid", 4, FOUR),
+    "torchao_int4_gptq": Claim(_quantize("torchao_int4_gptq"), "grid", 4, FOUR),
     "quanto_w8a16": Claim(_quantize("quanto_w8a16"), "grid", 8, EIGHT),
     "quanto_w4a16": Claim(_quantize("quanto_w4a16"), "grid", 4, FOUR),
     "quanto_w8a8": Claim(_quantize("quanto_w8a8"), "grid", 8, EIGHT),
@@ -138,7 +140,7 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
     scratch = Path(tempfile.mkdtemp(prefix="planted-"))
     if kind == "noop":
         monkeypatch.setattr(
-            quantize, "quantize_model", lambda model, step, calibration: (model, HF_SAFETENSORS)
+            quantize, "quantize_model", lambda model, step, calibration, *rest: (model, HF_SAFETENSORS)
         )
         monkeypatch.setattr(
             onnx_export,
@@ -150,7 +152,9 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(gguf, "quantize_gguf", lambda f32, dest, *a, **k: shutil.copyfile(f32, dest))
     else:
         monkeypatch.setattr(
-            quantize, "quantize_model", lambda m, step, cal: real_quantize(_scrambled(m), step, cal)
+            quantize,
+            "quantize_model",
+            lambda m, step, cal, *rest: real_quantize(_scrambled(m), step, cal, *rest),
         )
 
         def scrambled_export(source, dest, export, *args):
@@ -194,16 +198,26 @@ def kl_from_reference(reference: list[np.ndarray], variant: list[np.ndarray]) ->
     return total / positions
 
 
-def off_uniform_grid(groups: np.ndarray, levels: int, tolerance: float = 0.02) -> np.ndarray:
+def off_uniform_grid(
+    groups: np.ndarray, levels: int, tolerance: float = 0.02, read_precision: float = 0.0
+) -> np.ndarray:
     """Per row of `groups`, True unless its values are offset + k·step for integers k spanning fewer than `levels`
     steps (how any affine quantizer dequantizes, symmetric or not). Random float weights never are: each interior
-    value of a group would have to land within `tolerance` of a grid line."""
+    value of a group would have to land within `tolerance` of a grid line. `read_precision`: the relative rounding
+    of the values as read (bfloat16 outputs: 2^-8), added to the tolerance in grid steps, at most 0.1."""
     low = groups.min(axis=1, keepdims=True)
     span = groups.max(axis=1, keepdims=True) - low
     flat = span[:, 0] <= 1e-9 * np.maximum(1.0, np.abs(groups).max(axis=1))
     unit = (groups - low) / np.where(flat[:, None], 1.0, span)
     scaled = unit[:, :, None] * np.arange(1, levels)[None, None, :]  # every candidate count of steps at once
-    fits = (np.abs(scaled - np.round(scaled)) < tolerance).all(axis=1).any(axis=1)
+    reading = (
+        (levels - 1)
+        * read_precision
+        * np.abs(groups).max(axis=1, keepdims=True)
+        / np.where(flat, 1.0, span[:, 0])[:, None]
+    )
+    allowed = np.minimum(tolerance + reading, 0.1)[:, :, None]
+    fits = (np.abs(scaled - np.round(scaled)) < allowed).all(axis=1).any(axis=1)
     return ~(fits | flat)
 
 
@@ -221,11 +235,12 @@ def effective_weights(model) -> dict[str, np.ndarray]:
     a quantized module really multiplies by, whatever its storage (activation quantization of a one-hot row is
     exact, so W8A8 methods show their weights too)."""
     found = {}
+    dtype = model.get_input_embeddings().weight.dtype  # the activations' (bfloat16 for torchao's tinygemm)
     with torch.no_grad():
         for name, module in model.named_modules():
             if DECODER_MATRIX.search(name):
                 columns = module.in_features
-                probe = torch.eye(columns, dtype=torch.float32)[None]
+                probe = torch.eye(columns, dtype=dtype)[None]
                 found[name] = module(probe)[0].double().numpy().T
     return found
 
@@ -269,13 +284,16 @@ def stored_problems(folder: Path, claim: Claim, runtime: Runtime) -> list[str]:
         return [] if dtypes == {"BF16"} else [f"stored dtypes {sorted(dtypes)}"]
     problems = []
     book = codebook(claim.stored) if claim.stored in ("nf4", "fp4") else None
+    bfloat16 = runtime.model.get_input_embeddings().weight.dtype == torch.bfloat16  # outputs read in bfloat16
     for name, weight in effective_weights(runtime.model).items():
         if book is not None:  # bitsandbytes: blocks of 64 along the flattened (row-major) weight
             groups = weight.reshape(-1, 64)
             bad = int(off_codebook(groups, book).sum())
         else:
             groups = weight.reshape(-1, claim.group)
-            bad = int(off_uniform_grid(groups, 2**claim.bits).sum())
+            bad = int(
+                off_uniform_grid(groups, 2**claim.bits, read_precision=2**-8 if bfloat16 else 0.0).sum()
+            )
         if bad:
             problems.append(
                 f"{name}: {bad} of {len(groups)} groups off the {claim.stored}/{claim.bits}-bit grid"

@@ -29,7 +29,9 @@ Stepping (`batch_decoder`)
     token from the logits (greedy or sampled), so streaming, stop strings, cancellation and iteration-level
     batching live outside the engine. Greedy stepping gives the ids `generate` gives, whichever sequences share
     the steps. An engine that cannot batch sequences of different lengths exactly steps them one engine call
-    each (`steps` counts engine calls, so batching shows there).
+    each (`steps` counts engine calls, so batching shows there). The one exception is the torch engine on a GPU,
+    where padded rows with their own attention masks are the norm: its steps are one call for all sequences and
+    match stepping alone to float rounding (tests/model/test_cuda_target.py), not bit for bit.
 
 Engines subclass `Runtime` and implement `score`, `_generate_batch` and `batch_decoder`; `generate` (grouping,
 order, cutting at EOS) is shared, so every engine batches the same way.

@@ -11,7 +11,7 @@ from tasks.config import RuntimeSettings
 from tasks.engines.contract import BatchDecoder, Runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.torch_weights import QUANTO, load_torch_model
-from tasks.errors import ArtifactError
+from tasks.errors import ArtifactError, EngineError
 
 ENGINE = "torch"  # the manifest's `engine` for every variant this module runs
 KV_RESIDUAL_TOKENS = (
@@ -34,14 +34,20 @@ class TorchRuntime(Runtime):
         settings = manifest.runtime_settings()
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         try:
-            self.model = load_torch_model(folder, manifest.weights_format, manifest.dtype, settings)
+            self.model = load_torch_model(folder, manifest.weights_format, manifest.dtype, settings, device)
         except (OSError, RuntimeError, ValueError) as exc:
             raise ArtifactError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
         self.device = torch.device(device)
-        self.model.eval().to(self.device)
+        self.model.eval()
         self.context_length = self.model.config.max_position_embeddings
         if settings.wrapper == "deepspeed":
             self.model = deepspeed_engine(self.model, manifest.dtype)
+        quantizer = getattr(self.model, "hf_quantizer", None)
+        if settings.compile and quantizer is not None and not quantizer.is_compileable:
+            raise EngineError(
+                f"{folder}: runtime.compile: transformers does not compile {type(quantizer).__name__} models; "
+                "set compile: false"
+            )
         self._options = generation_options(settings, self.model.config.head_dim)
         # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
         no_grad = torch.no_grad if manifest.weights_format == QUANTO else torch.inference_mode
@@ -60,7 +66,10 @@ class TorchRuntime(Runtime):
         return results
 
     def batch_decoder(self) -> TorchBatchDecoder:
-        return TorchBatchDecoder(self.model, self._no_grad, self.device)
+        """On a GPU the sequences' steps run as one padded batch (what GPUs are for); on the CPU each sequence
+        steps alone, which keeps fp32 results independent of the batch (see `PaddedBatchDecoder`)."""
+        decoder = PaddedBatchDecoder if self.device.type == "cuda" else TorchBatchDecoder
+        return decoder(self.model, self._no_grad, self.device)
 
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
@@ -123,6 +132,64 @@ class TorchBatchDecoder(BatchDecoder):
         del self._caches[sequence]
 
 
+class PaddedBatchDecoder(TorchBatchDecoder):
+    """Every step runs all sequences in one forward call: each sequence's KV cache is left-padded to the longest,
+    with its own attention mask and positions, and split back afterwards. The padding changes only the order of
+    floating-point sums, so logits match a sequence stepped alone to float rounding (fp32: ~1e-5 relative; in
+    bfloat16 a near-tie can pick another greedy token), not bit for bit. Re-padding copies the caches each step:
+    a price that is small beside a GPU's batched matmuls for the server's batch sizes and contexts."""
+
+    def step(self, tokens: dict[int, int]) -> dict[int, Any]:
+        import torch
+        from transformers import DynamicCache
+
+        if set(tokens) != set(self._caches):
+            raise ValueError(f"step needs a token for every active sequence {sorted(self._caches)}")
+        order = list(tokens)
+        lengths = [self._caches[sequence].get_seq_length() for sequence in order]
+        longest = max(lengths)
+        batched = DynamicCache()
+        for layer in range(len(self._caches[order[0]].layers)):
+            keys, values = zip(
+                *(_left_padded(self._caches[s].layers[layer], longest) for s in order), strict=True
+            )
+            batched.update(torch.cat(keys), torch.cat(values), layer)
+        mask = torch.zeros(len(order), longest + 1, dtype=torch.long, device=self._device)
+        for row, length in enumerate(lengths):
+            mask[row, longest - length :] = 1
+        self.steps += 1
+        with self._no_grad():
+            out = self._model(
+                input_ids=torch.tensor([[tokens[s]] for s in order], device=self._device),
+                attention_mask=mask,
+                position_ids=torch.tensor([[length] for length in lengths], device=self._device),
+                past_key_values=batched,
+                use_cache=True,
+            )
+        logits = out.logits[:, -1].float().cpu().numpy()
+        for row, (sequence, length) in enumerate(zip(order, lengths, strict=True)):
+            self._caches[sequence] = _row_cache(out.past_key_values, row, length + 1)
+        return {sequence: logits[row] for row, sequence in enumerate(order)}
+
+
+def _left_padded(layer: Any, length: int) -> tuple[Any, Any]:
+    """A one-sequence cache layer's keys and values, zero-padded on the left to `length` positions."""
+    import torch.nn.functional as F
+
+    pad = length - layer.keys.shape[2]
+    return F.pad(layer.keys, (0, 0, pad, 0)), F.pad(layer.values, (0, 0, pad, 0))
+
+
+def _row_cache(cache: Any, row: int, length: int) -> Any:
+    """One row of a batched cache, its left padding cut, as a cache of its own."""
+    from transformers import DynamicCache
+
+    own = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        own.update(layer.keys[row : row + 1, :, -length:], layer.values[row : row + 1, :, -length:], index)
+    return own
+
+
 SDPA_BACKENDS = {
     "flash": "FLASH_ATTENTION",
     "efficient": "EFFICIENT_ATTENTION",
@@ -146,9 +213,16 @@ def inference_context(no_grad: Any, sdpa_backend: str | None) -> Any:
 
 
 def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:
-    """`generate` keyword arguments for the KV-cache setting (a sliding window is part of the model instead)."""
+    """`generate` keyword arguments for the KV-cache and compile settings (a sliding window is part of the model
+    instead). transformers compiles a static cache's decode step on a GPU by itself; llmopt does only when the
+    recipe says `compile: true`, so what is measured is what the recipe names."""
+    if settings.kv_cache == "static" and settings.compile:
+        from transformers import CompileConfig
+
+        compiled = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        return {"cache_implementation": "static", "compile_config": compiled}
     if settings.kv_cache == "static":
-        return {"cache_implementation": "static"}
+        return {"cache_implementation": "static", "disable_compile": True}
     if settings.kv_cache == "quantized":
         cache = {"backend": "quanto", "nbits": settings.kv_cache_bits, "residual_length": KV_RESIDUAL_TOKENS}
         return {

@@ -56,6 +56,11 @@ class BenchmarkResult:
     peak_rss_mb: float
     process_rss_before_load_mb: float
     threads: int
+    # the GPU's high-water allocated memory from load to the end (a cuda target; None on the CPU)
+    peak_gpu_mb: float | None = None
+    # the first generate call, untimed elsewhere: where compiling (compile: true) and kernel choice land; a new
+    # batch size compiles again inside its own warm-up, outside every timing
+    first_call_s: float = 0.0
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")
@@ -162,11 +167,19 @@ def weight_bytes(folder: Path) -> int:
 
 def decode_read_bytes(folder: Path) -> int:
     """Weight bytes one batch-1 decode step reads: every weight file, less an input-embedding table stored apart
-    from the output projection (a step reads one row of it; a tied table is read whole by the output layer)."""
+    from the output projection (a step reads one row of it; a tied table is read whole by the output layer).
+    Matrices quantized when loaded count as packed on the device, not as stored."""
+    import json
+
+    from tasks.engines.torch_weights import ON_LOAD_FILE
+
     tensors = stored_tensor_bytes(folder)
     embeddings = sum(size for name, size in tensors.items() if name.endswith(EMBEDDING_TABLES))
     untied = any("lm_head" in name or name == "output.weight" for name in tensors)  # GGUF: output.weight
-    return weight_bytes(folder) - (embeddings if untied else 0)
+    on_load = folder / ON_LOAD_FILE
+    packed = json.loads(on_load.read_text())["packed_bytes"] if on_load.is_file() else {}
+    shrunk = sum(tensors[name] - size for name, size in packed.items() if name in tensors)
+    return weight_bytes(folder) - shrunk - (embeddings if untied else 0)
 
 
 def stored_tensor_bytes(folder: Path) -> dict[str, int]:
@@ -209,6 +222,11 @@ def benchmark_variant(
     """Load the variant on `device` and measure TTFT, decode speed per batch size and latency over the request
     set (every timed call returns token ids to the host, so a GPU's queued work is inside the timing)."""
     rss_before = _rss_mb()
+    gpu = device.startswith("cuda")
+    if gpu:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     runtime = load_runtime(folder, threads, device)
     load_s = time.perf_counter() - start
@@ -216,6 +234,7 @@ def benchmark_variant(
     if not ids:
         raise ValueError("benchmark prompt text tokenizes to nothing")
     prompt = repeat_to_length(ids, cfg.prompt_tokens)
+    first_call_s = _timed(lambda: runtime.generate([prompt], min(cfg.new_tokens, 4), stop_at_eos=False))
     batches = [batch_speed(runtime, prompt, size, cfg) for size in cfg.batch_sizes]
     single = next(b for b in batches if b.batch_size == 1)
     requests = request_set(ids, cfg.requests, min(cfg.ttft_prompt_tokens), max(cfg.ttft_prompt_tokens))
@@ -240,6 +259,8 @@ def benchmark_variant(
         peak_rss_mb=_peak_rss_mb(),
         process_rss_before_load_mb=rss_before,
         threads=threads,
+        peak_gpu_mb=torch.cuda.max_memory_allocated(device) / 2**20 if gpu else None,
+        first_call_s=first_call_s,
     )
 
 

@@ -209,6 +209,8 @@ def log_variant_run(
         "ttft_ms": bench.ttft_ms,
         "load_s": bench.load_s,
         "peak_rss_mb": bench.peak_rss_mb,
+        **({"peak_gpu_mb": bench.peak_gpu_mb} if bench.peak_gpu_mb is not None else {}),
+        "first_call_s": bench.first_call_s,
         "size_mb": manifest.size_bytes / 1e6,
         "parameters": manifest.parameters,
         **_mixed_precision_metrics(manifest.mixed_precision),

@@ -145,13 +145,13 @@ def _apply_recipe(
     context.tokenizer = AutoTokenizer.from_pretrained(base_path)
     torch_steps = [step for step in variant.steps if step.technique.role != "export"]
     export = next((step for step in variant.steps if step.technique.role == "export"), None)
-    model, parameters, weights_format, notes = None, 0, HF_SAFETENSORS, []
+    model, parameters, weights_format, notes, record = None, 0, HF_SAFETENSORS, [], None
     if export is None or export.technique.needs_model(export.settings):
         model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False)
         parameters = sum(p.numel() for p in model.parameters())
     for step in torch_steps:
         applied = step.technique.apply(model, step.settings, context)
-        model, weights_format = applied.model, applied.weights_format
+        model, weights_format, record = applied.model, applied.weights_format, applied.record
         if step.technique.role != "quantize":  # quantized modules hide their weights from .parameters()
             parameters = sum(p.numel() for p in model.parameters())
         notes.append(applied.note)
@@ -165,7 +165,7 @@ def _apply_recipe(
     if weights_format != HF_SAFETENSORS:
         from tasks.techniques.quantize import save_quantized
 
-        save_quantized(model, weights_format, dest)
+        save_quantized(model, weights_format, dest, record)
     else:
         model.to(getattr(torch, variant.runtime.dtype)).save_pretrained(dest)
     return weights_format, pytorch.ENGINE, parameters, notes

@@ -1,9 +1,13 @@
 """quantize: weight quantization backends behind one step (torch, torchao, optimum-quanto, bitsandbytes).
 
 Each backend is imported only inside the function that needs it (their imports take 3–6 s). Artifacts use the
-library's own serialization (loaded back by `tasks.engines.torch_weights`): torchao and bitsandbytes through transformers (`quantization_config` in config.json,
-reloaded by `from_pretrained`), quanto as its state dict plus `quantization_map.json` (reloaded by `requantize`).
-GPTQ needs gptqmodel's CUDA kernels; on a cpu target the target check refuses it before any work starts.
+library's own serialization (loaded back by `tasks.engines.torch_weights`): torchao and bitsandbytes through
+transformers (`quantization_config` in config.json, reloaded by `from_pretrained`), quanto as its state dict plus
+`quantization_map.json` (reloaded by `requantize`). torchao's tinygemm int4 and FP8 kernels pack weights for the
+device they run on, so those methods store bfloat16 weights on their grid and are quantized when loaded there
+(`hf-quantize-on-load`); `torchao_int4_gptq` puts GPTQ's levels on that grid (tasks/techniques/tinygemm_rounding.py).
+Every method declares the devices it runs on and the CUDA compute capability its kernels need: the target check
+refuses the rest before any work starts. gptqmodel needs its CUDA kernels, which have no wheel.
 """
 
 from __future__ import annotations
@@ -30,11 +34,23 @@ class Method:
     note: str  # what it stores and runs, for the manifest and the technique table
     bits: int | None  # bits per weight (None: the `bits` setting says)
     packages: tuple[str, ...] = ()  # what a registered variant needs to load it (beyond the serving set)
+    devices: tuple[str, ...] = ("cpu", "cuda")  # the target devices its kernels run on
+    instead: str = ""  # what to use on a device it does not run on (the pre-flight line's alternative)
+    capability: tuple[int, int] | None = None  # the least CUDA compute capability its kernels need
+    on_load: str | None = (
+        None  # the torchao kernel it is quantized for when loaded (tasks.engines.torch_weights)
+    )
+
+
+TINYGEMM = ("accelerate", "torchao")
 
 
 METHODS = {
     "torch_dynamic_int8": Method(
-        "int8 per-channel weights, int8 activations quantized per batch (W8A8 dynamic)", 8
+        "int8 per-channel weights, int8 activations quantized per batch (W8A8 dynamic)",
+        8,
+        devices=("cpu",),
+        instead="torch's dynamic int8 kernels are CPU-only (fbgemm/onednn); on cuda use torchao_int8_dynamic",
     ),
     "torchao_int8_weight_only": Method(
         "torchao int8 per-channel weights, float activations (W8A16)", 8, ("accelerate", "torchao")
@@ -66,7 +82,41 @@ METHODS = {
         8,
         ("accelerate", "bitsandbytes"),
     ),
-    "gptqmodel": Method("gptqmodel's GPTQ (CUDA only)", None, ("gptqmodel",)),
+    "torchao_int4_tinygemm": Method(
+        "torchao int4 in groups, asymmetric with a float zero point, rounded to nearest (tinygemm: tile-packed on a "
+        "CUDA GPU, the CPU's int4 pack on a CPU), bfloat16 activations; stored as bfloat16 on the grid, packed "
+        "when loaded",
+        4,
+        TINYGEMM,
+        capability=(8, 0),
+        on_load="tinygemm_int4",
+    ),
+    "torchao_int4_gptq": Method(
+        "GPTQ on the calibration split onto torchao's tinygemm int4 grid (torchao's rounding at load keeps "
+        "GPTQ's integers), bfloat16 activations; stored as bfloat16 on the grid, packed when loaded",
+        4,
+        TINYGEMM,
+        capability=(8, 0),
+        on_load="tinygemm_int4",
+    ),
+    "torchao_fp8_per_row": Method(
+        "torchao FP8 (e4m3) weights and activations, one scale per row / token (W8A8-FP8), bfloat16 elsewhere; "
+        "stored as bfloat16, quantized when loaded",
+        8,
+        TINYGEMM,
+        devices=("cuda",),
+        instead="FP8 matmuls need a GPU of compute capability 8.9 or more; on cpu use torchao_int8_dynamic",
+        capability=(8, 9),
+        on_load="fp8_per_row",
+    ),
+    "gptqmodel": Method(
+        "gptqmodel's GPTQ (CUDA only)",
+        None,
+        ("gptqmodel",),
+        devices=("cuda",),
+        instead="gptqmodel's kernels and calibration are CUDA-only (its sdist does not build here); use "
+        "onnx_genai int4 or quanto_w4a16 on cpu",
+    ),
 }
 NOTES = {name: method.note for name, method in METHODS.items()}
 
@@ -80,27 +130,37 @@ class QuantizeStep(Strict):
     FORMER: ClassVar[dict[str, Former]] = {"method": Former("method", {"gptq": "gptqmodel"})}
     method: QuantizeMethod
     # Method-specific settings; setting one that another method owns is refused.
-    group_size: Literal[32, 64, 128, 192] = 64  # torchao_int4_weight_only, gptqmodel (SmolLM2's 576 = 9 × 64)
+    # int4 methods' group of inputs per scale (SmolLM2's 576 = 9 × 64; tinygemm takes 32, 64 or 128)
+    group_size: Literal[32, 64, 128, 192] = 64
     double_quant: bool = True  # bnb_nf4 / bnb_fp4: also quantize the scales
-    compute_dtype: Literal["float32", "bfloat16"] = "float32"  # bnb_nf4 / bnb_fp4 matmuls
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bnb_nf4 / bnb_fp4 matmuls
     bits: Literal[2, 3, 4, 8] = 4  # gptqmodel
     desc_act: bool = False  # gptqmodel: quantize columns by decreasing activation order
-    # quanto_w8a8: calibration windows (of 256 tokens) its activation scales are set on
+    # quanto_w8a8, torchao_int4_gptq: calibration windows (of 256 tokens) its scales / Hessians are set on
     calibration_windows: Annotated[int, Field(ge=1, le=4096)] = 16
 
     @model_validator(mode="after")
     def _fields_of_the_method(self) -> QuantizeStep:
         owners = {
-            "group_size": ("torchao_int4_weight_only", "gptqmodel"),
+            "group_size": (
+                "torchao_int4_weight_only",
+                "torchao_int4_tinygemm",
+                "torchao_int4_gptq",
+                "gptqmodel",
+            ),
             "double_quant": ("bnb_nf4", "bnb_fp4"),
             "compute_dtype": ("bnb_nf4", "bnb_fp4"),
             "bits": ("gptqmodel",),
             "desc_act": ("gptqmodel",),
-            "calibration_windows": ("quanto_w8a8",),
+            "calibration_windows": ("quanto_w8a8", "torchao_int4_gptq"),
         }
         for name in sorted(name for name in owners if name in self.model_fields_set):
             if self.method not in owners[name]:
                 raise ValueError(f"{name} applies to {' / '.join(owners[name])}, not {self.method}")
+        if METHODS[self.method].on_load == "tinygemm_int4" and self.group_size not in (32, 64, 128):
+            raise ValueError(
+                f"group_size: torchao's tinygemm int4 takes 32, 64 or 128, not {self.group_size}"
+            )
         return self
 
 
@@ -114,12 +174,13 @@ class Quantize(Technique):
 
         calibration = (
             context.sequences(context.tokenizer, WINDOW_TOKENS, limit=settings.calibration_windows)
-            if settings.method == "quanto_w8a8"
+            if settings.method in ("quanto_w8a8", "torchao_int4_gptq")
             else []
         )
         with step_arguments(self.name):
-            model, weights_format = quantize_model(model, settings, calibration)
-        return Applied(model, weights_format, NOTES[settings.method])
+            model, weights_format = quantize_model(model, settings, calibration, context.report)
+        record = on_load_record(settings) if METHODS[settings.method].on_load else None
+        return Applied(model, weights_format, NOTES[settings.method], record)
 
     def weight_bits(self, settings: QuantizeStep, manifest: VariantManifest) -> int | None:
         return METHODS[settings.method].bits or settings.bits
@@ -128,15 +189,26 @@ class Quantize(Technique):
         return list(METHODS[settings.method].packages)
 
     def problems(self, where: str, settings: QuantizeStep, config: Config, cuda_available: bool) -> list[str]:
-        if config.target.is_cuda:
+        from tasks.targets import cuda_capability
+
+        method, device = METHODS[settings.method], config.target.device
+        if device.partition(":")[0] not in method.devices:
+            return [f"{where}.method: {settings.method} does not run on {device}: {method.instead}"]
+        if settings.method == "gptqmodel":
             return [
-                f"{where}.method: {settings.method} has not been run on a GPU by llmopt yet (its cuda path comes "
-                "with the GPU techniques); on cuda use runtime.dtype bfloat16 or float16"
+                f"{where}.method: gptqmodel is not installed (it has no wheel; its CUDA kernels build at install); "
+                "use torchao_int4_gptq (GPTQ onto torchao's int4 kernels)"
             ]
-        if settings.method == "gptqmodel" and not config.target.is_cuda:
+        if settings.compute_dtype == "float16" and not config.target.is_cuda:
             return [
-                f"{where}.method: gptqmodel needs a cuda target (gptqmodel's kernels and calibration are CUDA-only; "
-                "its sdist does not build here); use onnx_genai int4 or quanto_w4a16 on cpu"
+                f"{where}.compute_dtype: float16 has no fast matmul kernels on a cpu target; use bfloat16"
+            ]
+        have = cuda_capability(device) if config.target.is_cuda and cuda_available else None
+        if method.capability and have and have < method.capability:
+            need = ".".join(map(str, method.capability))
+            return [
+                f"{where}.method: {settings.method} needs a GPU of compute capability {need} or more, "
+                f"{device} has {have[0]}.{have[1]}; use torchao_int8_weight_only"
             ]
         return []
 
@@ -174,6 +246,25 @@ class Quantize(Technique):
             ),
             Row("`quantize: {method: bnb_int8}`", (), "bitsandbytes LLM.int8()"),
             Row(
+                "`quantize: {method: torchao_int4_tinygemm}`",
+                ("group_size",),
+                "torchao's tinygemm int4 (asymmetric groups, float zero point; bfloat16 activations): tile-packed "
+                "kernels on a CUDA GPU (compute capability 8.0+), the CPU's int4 kernel on a CPU. Stored as "
+                "bfloat16 on the grid and packed when loaded, so **no smaller on disk**",
+            ),
+            Row(
+                "`quantize: {method: torchao_int4_gptq}`",
+                ("group_size", "calibration_windows"),
+                "GPTQ on the calibration split onto the same tinygemm grid: torchao's rounding at load stores "
+                "GPTQ's integers (checked for every matrix at build)",
+            ),
+            Row(
+                "`quantize: {method: torchao_fp8_per_row}`",
+                (),
+                "**GPU targets, compute capability 8.9+**: torchao FP8 weights and activations, one scale per "
+                "row / token; quantized when loaded",
+            ),
+            Row(
                 "`quantize: {method: gptqmodel}`",
                 ("bits", "group_size", "desc_act"),
                 "**GPU targets only**: gptqmodel's kernels and calibration need CUDA (its sdist does not build "
@@ -182,15 +273,23 @@ class Quantize(Technique):
         ]
 
 
-def quantize_model(model: Any, step: QuantizeStep, calibration: list[list[int]]) -> tuple[Any, str]:
-    """Quantize a float model in memory; returns (model, weights format)."""
+def quantize_model(
+    model: Any, step: QuantizeStep, calibration: list[list[int]], progress: Any = None
+) -> tuple[Any, str]:
+    """Quantize a float model in memory; returns (model, weights format). Methods quantized when loaded return
+    the model with its weights put on their grid (GPTQ) or as they were (round-to-nearest at load)."""
     from tasks.engines.torch_weights import (
+        ON_LOAD,
         QUANTO,
         TORCH_DYNAMIC,
         TRANSFORMERS_QUANTIZED,
         quantize_dynamic_int8,
     )
 
+    if METHODS[step.method].on_load:
+        if METHODS[step.method].on_load == "tinygemm_int4":
+            round_onto_torchao_grid(model, step, calibration, progress)
+        return model, ON_LOAD
     if step.method == "torch_dynamic_int8":
         return quantize_dynamic_int8(model), TORCH_DYNAMIC
     if step.method.startswith("quanto_"):
@@ -235,6 +334,33 @@ def transformers_quantization_config(step: QuantizeStep) -> Any:
     return TorchAoConfig(configs[step.method]())
 
 
+def on_load_record(step: QuantizeStep) -> dict[str, Any]:
+    """What `quantize-on-load.json` says: the torchao kernel, its group size, the method that wrote it."""
+    kernel = METHODS[step.method].on_load
+    group = {"group_size": step.group_size} if kernel == "tinygemm_int4" else {}
+    return {"kernel": kernel, "method": step.method, **group}
+
+
+def round_onto_torchao_grid(
+    model: Any, step: QuantizeStep, calibration: list[list[int]], progress: Any = None
+) -> None:
+    """Put the weights torchao quantizes at load on its tinygemm grid, in place: GPTQ's levels
+    (torchao_int4_gptq) or round-to-nearest's, so the stored bfloat16 weights are exactly what the kernel runs."""
+    import torch
+
+    from tasks.engines.torch_weights import on_load_modules
+    from tasks.techniques.tinygemm_rounding import round_onto_tinygemm
+
+    gptq = step.method == "torchao_int4_gptq"
+    if gptq and not calibration:
+        raise ValueError("method: torchao_int4_gptq calibrates on the calibration split, which is empty")
+    modules = on_load_modules(model, on_load_record(step))
+    rounded = round_onto_tinygemm(model, modules, step.group_size, calibration if gptq else None, progress)
+    with torch.no_grad():
+        for name, result in rounded.items():
+            modules[name].weight.copy_(result.weight.float())
+
+
 def quantize_at_load(model: Any, quantization_config: Any) -> Any:
     """Save the float model and reload it with `quantization_config`: how transformers applies these backends."""
     import torch
@@ -266,11 +392,14 @@ def quantize_quanto(model: Any, step: QuantizeStep, calibration: list[list[int]]
     return model
 
 
-def save_quantized(model: Any, weights_format: str, dest: Path) -> None:
-    """Write the quantized model with its backend's serialization (config and generation config included)."""
+def save_quantized(model: Any, weights_format: str, dest: Path, record: dict[str, Any] | None = None) -> None:
+    """Write the quantized model with its backend's serialization (config and generation config included);
+    `record`: an on-load method's `on_load_record`."""
     import torch
 
     from tasks.engines.torch_weights import (
+        ON_LOAD,
+        ON_LOAD_FILE,
         QUANTO_MAP_FILE,
         TORCH_DYNAMIC,
         TORCH_DYNAMIC_FILE,
@@ -279,6 +408,12 @@ def save_quantized(model: Any, weights_format: str, dest: Path) -> None:
 
     if weights_format == TRANSFORMERS_QUANTIZED:
         model.save_pretrained(dest)
+        return
+    if weights_format == ON_LOAD:
+        if record is None:
+            raise ValueError("an on-load variant needs its quantize step's record")
+        model.to(torch.bfloat16).save_pretrained(dest)  # exact: the grid was taken from the bfloat16 weights
+        (dest / ON_LOAD_FILE).write_text(json.dumps({**record, **packed_bytes(model, record)}, indent=1))
         return
     model.config.save_pretrained(dest)
     model.generation_config.save_pretrained(dest)
@@ -296,3 +431,19 @@ def save_quantized(model: Any, weights_format: str, dest: Path) -> None:
         ]  # tied (left float): safetensors refuses shared tensors; re-tied when loaded
     save_file(state, dest / "model.safetensors")
     (dest / QUANTO_MAP_FILE).write_text(json.dumps(quantization_map(model), indent=1, sort_keys=True))
+
+
+def packed_bytes(model: Any, record: dict[str, Any]) -> dict[str, Any]:
+    """The bytes each stored tensor takes once torchao has packed it on the device (int4: half a byte a weight
+    plus a bfloat16 scale and zero point per group; FP8: a byte a weight plus a float32 scale per row), keyed by
+    the stored tensor's name, for the roofline; tensors left in bfloat16 keep their stored size."""
+    from tasks.engines.torch_weights import on_load_modules
+
+    packed = {}
+    for name, module in on_load_modules(model, record).items():
+        rows, columns = module.weight.shape
+        if record["kernel"] == "tinygemm_int4":
+            packed[f"{name}.weight"] = rows * columns // 2 + rows * (columns // record["group_size"]) * 4
+        else:
+            packed[f"{name}.weight"] = rows * columns + rows * 4
+    return {"packed_bytes": packed}

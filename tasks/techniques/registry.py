@@ -46,6 +46,9 @@ class Applied:
     model: Any
     weights_format: str
     note: str
+    record: dict[str, Any] | None = (
+        None  # what the weights format stores beside the model (an on-load record)
+    )
 
 
 @dataclass(frozen=True)

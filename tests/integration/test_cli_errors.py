@@ -181,11 +181,12 @@ CATALOGUE = {
     "sliding window below 8": Case(step_variant(sliding_window=4), "greater than or equal to 8"),
     "a setting of another quantization method": Case(
         step_variant({"quantize": {"method": "bnb_int8", "group_size": 64}}),
-        "group_size applies to torchao_int4_weight_only / gptqmodel, not bnb_int8",
+        "group_size applies to torchao_int4_weight_only / torchao_int4_tinygemm / torchao_int4_gptq / gptqmodel, "
+        "not bnb_int8",
     ),
     "a step the target cannot run": Case(
         step_variant({"quantize": {"method": "gptqmodel", "group_size": 128}}),
-        "gptqmodel needs a cuda target",
+        "gptqmodel does not run on cpu",
     ),
     "a cron Prefect would refuse": Case(
         setting("schedule", cron="61 * * * *"),

@@ -41,3 +41,34 @@ def test_a_cuda_target_measures_the_gpu_it_runs_on():
     assert fingerprint["gpu"]["name"] and fingerprint["gpu"]["capability"]
     assert fingerprint["hash"] != machine_fingerprint(threads=1)["hash"]
     assert memory_read_bandwidth_gbs(1, megabytes=64, trials=3, device="cuda") > 50  # any GPU's HBM/GDDR
+
+
+def test_the_gpus_padded_batch_decoder_steps_sequences_of_different_lengths_as_each_alone(baseline_dir: Path):
+    """The padded decoder a cuda target serves with, run on the CPU: one forward call a step for every sequence,
+    logits equal to a sequence stepped alone within fp32 rounding, and sequences may join and leave between steps."""
+    import numpy as np
+
+    from tasks.engines.pytorch import PaddedBatchDecoder
+
+    runtime = load_runtime(baseline_dir, threads=1)
+    alone, padded = runtime.batch_decoder(), PaddedBatchDecoder(runtime.model, runtime._no_grad, runtime.device)
+    assert type(alone) is not PaddedBatchDecoder  # the CPU keeps the exact one-call-a-sequence decoder
+    prompts = [[1, 5, 9, 13, 2, 40, 41], [7, 7, 3], [11, 12, 13, 14, 15]]
+    joined = {}
+    for prompt in prompts[:2]:
+        (a, logits_a), (b, logits_b) = alone.add(prompt), padded.add(prompt)
+        joined[b] = a
+        assert np.allclose(logits_a, logits_b, atol=1e-5)
+    steps_before = padded.steps
+    for step in range(6):
+        if step == 3:  # a newcomer joins mid-flight, and the first sequence leaves
+            (a, _), (b, _) = alone.add(prompts[2]), padded.add(prompts[2])
+            joined[b] = a
+            first = next(iter(joined))
+            padded.remove(first), alone.remove(joined.pop(first))
+        tokens = {b: (step * 17 + b) % 300 for b in joined}
+        expected = alone.step({joined[b]: token for b, token in tokens.items()})
+        got = padded.step(tokens)
+        for b, a in joined.items():
+            assert np.allclose(got[b], expected[a], atol=1e-4), (step, b)
+    assert padded.steps - steps_before == 7  # 6 steps, one call each, plus the newcomer's prompt

@@ -60,9 +60,20 @@ def test_four_bit_weights_are_smaller_than_eight_bit_and_eight_bit_than_fp32(tra
     assert sizes[four] < sizes[eight] < 0.75 * sizes["baseline"]
 
 
+def test_gptq_onto_torchaos_grid_is_closer_to_fp32_than_torchaos_round_to_nearest(
+    trained_variants, reference
+):
+    kl = {
+        name: assess(trained_variants[name], CLAIMS[name], reference)[1].kl
+        for name in ("torchao_int4_tinygemm", "torchao_int4_gptq")
+    }
+    assert kl["torchao_int4_gptq"] < 0.8 * kl["torchao_int4_tinygemm"], kl
+
+
 CONTROLS = [
     "torch_dynamic_int8",
     "torchao_int4_weight_only",
+    "torchao_int4_gptq",  # quantized when loaded (torchao packs the stored grid)
     "quanto_w8a16",
     "bnb_nf4",
     "onnx_int4",

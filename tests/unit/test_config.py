@@ -12,7 +12,7 @@ from tasks.params_file import load_config
 from tasks.techniques.distill import DistillStep
 from tasks.techniques.onnx_export import OnnxGenAIStep
 from tasks.techniques.prune import PruneStep
-from tasks.techniques.quantize import QuantizeMethod, QuantizeStep
+from tasks.techniques.quantize import METHODS, QuantizeMethod, QuantizeStep
 
 REPO = Path(__file__).resolve().parents[2]
 MINIMAL = "variants:\n  baseline: {}\n"
@@ -193,7 +193,7 @@ def test_a_setting_of_another_quantization_method_is_refused(tmp_path):
         "variants:\n  baseline: {}\n  q:\n    steps:\n      - quantize: {method: bnb_int8, group_size: 64}\n"
     )
     with pytest.raises(
-        ConfigError, match=r"group_size applies to torchao_int4_weight_only / gptqmodel, not bnb_int8"
+        ConfigError, match=r"group_size applies to torchao_int4_weight_only / .* / gptqmodel, not bnb_int8"
     ):
         load_config(write(tmp_path, text))
 
@@ -217,7 +217,9 @@ def test_repository_full_profile_loads_and_enables_every_step_kind():
     kinds = {step.kind for variant in config.variants.values() for step in variant.steps}
     assert kinds == {"prune", "distill", "quantize", "onnx_genai", "llama_cpp"}
     methods = {s.quantize.method for v in config.variants.values() for s in v.steps if s.quantize}
-    assert methods == set(typing.get_args(QuantizeMethod)) - {"gptqmodel"}  # gptqmodel: GPU targets only
+    gpu_only = {name for name, method in METHODS.items() if "cpu" not in method.devices}
+    assert gpu_only == {"gptqmodel", "torchao_fp8_per_row"}
+    assert methods == set(typing.get_args(QuantizeMethod)) - gpu_only
     assert config.variants.keys() > load_config(REPO / "params.yaml").variants.keys()
 
 

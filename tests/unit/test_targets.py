@@ -28,6 +28,11 @@ def test_runnable_cpu_settings_raise_nothing():
         ({"tensor_parallel": 2}, {}, "target.tensor_parallel: 2 ranks need a multi-GPU cuda target"),
         ({"device": "hpu"}, {}, "target.device: hpu (Gaudi) needs optimum-habana"),
         ({"device": "cuda"}, {}, "target.device: cuda, but no CUDA device is visible (torch sees none)"),
+        (
+            {},
+            {"kv_cache": "static", "compile": True},
+            "variants.v.runtime.compile: compiling the decode step",
+        ),
     ],
 )
 def test_what_the_target_cannot_run_fails_fast_naming_key_and_alternative(target, runtime, message):
@@ -48,7 +53,7 @@ def test_gptqmodel_is_a_gpu_target_step():
         }
     )
     (problem,) = target_problems(cfg, cuda_available=False)
-    assert problem.startswith("variants.g.steps[0].quantize.method: gptqmodel needs a cuda target")
+    assert problem.startswith("variants.g.steps[0].quantize.method: gptqmodel does not run on cpu")
     assert "onnx_genai int4" in problem
 
 
@@ -109,3 +114,14 @@ def test_a_cuda_device_that_is_not_there_is_named_with_those_that_are():
 def test_a_device_llmopt_does_not_know_is_refused_by_the_schema(device):
     with pytest.raises(ValueError, match="device"):
         Config.model_validate({"target": {"device": device}, "variants": {"baseline": {}}})
+
+
+def test_compile_needs_the_static_cache_it_replays_over():
+    with pytest.raises(ValueError, match="compile replays the decode step over a fixed-shape cache"):
+        config({"device": "cuda"}, compile=True)
+
+
+def test_a_setting_added_later_keeps_the_build_keys_of_variants_that_leave_it_at_its_default():
+    plain, compiled = config(), config(kv_cache="static", compile=True)
+    assert "compile" not in plain.variants["v"].runtime.identity()
+    assert compiled.variants["v"].runtime.identity()["compile"] is True
