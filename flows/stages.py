@@ -123,6 +123,7 @@ def evaluate_task(
                 config.target.threads,
                 update,
                 device=config.target.device,
+                tensor_parallel=config.target.tensor_parallel,
             )
         if reused:
             get_run_logger().info(f"{built.name}: evaluation unchanged since the last run, reused")
@@ -137,7 +138,12 @@ def benchmark_task(
     machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
     with timed("benchmark", name, machine) as span:
         result = benchmark_in_fresh_process(
-            folder, config.benchmark, prompt_text, config.target.threads, config.target.device
+            folder,
+            config.benchmark,
+            prompt_text,
+            config.target.threads,
+            config.target.device,
+            config.target.tensor_parallel,
         )
     return result, span[0]
 

@@ -26,8 +26,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # llmopt's modules from this source tree
 
-NOT_BUILT = "not built into llmopt yet (issue 26)"
-
 
 @dataclass(frozen=True)
 class Check:
@@ -37,7 +35,7 @@ class Check:
     technique: str
     recipe: dict[str, Any]
     packages: tuple[str, ...] = ()
-    missing: str | None = None  # set: llmopt has no code for it yet, so it is always skipped with this reason
+    ranks: int = 1  # target.tensor_parallel
 
 
 def _quantize(method: str, **settings: Any) -> dict[str, Any]:
@@ -67,7 +65,7 @@ CHECKS = (
     Check("bnb_fp4", _quantize("bnb_fp4", compute_dtype="bfloat16"), BNB),
     Check("bnb_int8", _quantize("bnb_int8"), BNB),
     Check("quanto_w8a16", _quantize("quanto_w8a16"), ("optimum-quanto",)),
-    Check("tensor_parallel_2", {}, (), NOT_BUILT),
+    Check("tensor_parallel_2", {"runtime": {"dtype": "bfloat16"}}, ranks=2),
 )
 
 
@@ -198,8 +196,7 @@ def _run_check(
     result: dict[str, Any] = {"technique": check.technique, "recipe": check.recipe}
     missing = [package for package in check.packages if not _installed(package)]
     reason = (
-        check.missing
-        or _refused(check, device)
+        _refused(check, device)
         or (f"needs {', '.join(missing)}, not installed" if missing else None)
         or ("the deadline was reached before it started" if left_s <= 0 else None)
     )
@@ -219,8 +216,9 @@ def _refused(check: Check, device: str) -> str | None:
     from tasks.config import Config
     from tasks.targets import target_problems
 
+    target = {"device": device, "tensor_parallel": check.ranks}
     config = Config.model_validate(
-        {"target": {"device": device}, "variants": {"baseline": {}, check.technique: check.recipe}}
+        {"target": target, "variants": {"baseline": {}, check.technique: check.recipe}}
     )
     problems = target_problems(config, torch.cuda.is_available(), torch.cuda.device_count())
     return "; ".join(problem.split(": ", 1)[1] for problem in problems) or None
@@ -247,8 +245,9 @@ def _measure(
         calibration=base.calibration,
     )
     build_s = time.perf_counter() - started
-    runtime = load_runtime(folder, threads=os.cpu_count() or 1, device=device)
-    logits = _probe_logits(runtime, base.probe)
+    runtime = load_runtime(folder, os.cpu_count() or 1, device, check.ranks)
+    logits = runtime.logits(base.probe)
+    getattr(runtime, "close", lambda: None)()  # a split model's other ranks stop before the benchmark starts
     del runtime
     if device == "cuda":
         torch.cuda.empty_cache()  # the benchmark's peak starts from its own load
@@ -262,7 +261,7 @@ def _measure(
         repeats=2,
     )
     measured = benchmark_variant(
-        folder, cfg, " ".join(["river stone garden"] * 20), os.cpu_count() or 1, device
+        folder, cfg, " ".join(["river stone garden"] * 20), os.cpu_count() or 1, device, check.ranks
     )
     bandwidth = memory_read_bandwidth_gbs(os.cpu_count() or 1, megabytes=64 if tiny else 512, device=device)
     result = {
@@ -290,15 +289,6 @@ def _measure(
             "argmax_agreement": round(float((logits.argmax(-1) == reference.argmax(-1)).float().mean()), 4),
         }
     return result
-
-
-def _probe_logits(runtime: Any, probe: list[list[int]]) -> Any:
-    """The probe sequences' logits on the host in float32 (the torch engine's model, as tools may use it)."""
-    import torch
-
-    with torch.no_grad():
-        ids = torch.tensor(probe, device=runtime.device)
-        return runtime.model(input_ids=ids).logits.float().cpu()
 
 
 def _device_facts(device: str) -> dict[str, Any]:

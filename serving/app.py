@@ -201,10 +201,22 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
             raise RegistryError(f"no model version {name}@{alias} in the registry; run `llmopt run` first")
         target = config.target
         model = ServedModel(
-            name, alias, load_version(name, version, target.threads, limits, metrics, target.device)
+            name,
+            alias,
+            load_version(
+                name, version, target.threads, limits, metrics, target.device, target.tensor_parallel
+            ),
         )
         if alias and settings.watch_s > 0:
-            watch_alias(model, target.threads, settings.watch_s, limits, metrics, target.device)
+            watch_alias(
+                model,
+                target.threads,
+                settings.watch_s,
+                limits,
+                metrics,
+                target.device,
+                target.tensor_parallel,
+            )
         served.append(model)
     app = create_app(ModelRouter(served), settings, metrics)
     # uvicorn lets in-flight requests (streams included) finish on SIGTERM/Ctrl-C before the lifespan shutdown,

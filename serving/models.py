@@ -117,7 +117,13 @@ def serve_runtime(
 
 
 def load_version(
-    model_name: str, version: str, threads: int, limits: Limits, metrics: Any, device: str = "cpu"
+    model_name: str,
+    version: str,
+    threads: int,
+    limits: Limits,
+    metrics: Any,
+    device: str = "cpu",
+    tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Download a registered version, check its bytes against the hash the registry recorded, load and warm it."""
     from tasks.decide.registry import download_verified
@@ -125,7 +131,8 @@ def load_version(
 
     scratch = tempfile.TemporaryDirectory(prefix=f"llmopt-serve-v{version}-")
     try:
-        runtime = load_runtime(download_verified(model_name, version, Path(scratch.name)), threads, device)
+        folder = download_verified(model_name, version, Path(scratch.name))
+        runtime = load_runtime(folder, threads, device, tensor_parallel)
     except BaseException:
         scratch.cleanup()
         raise
@@ -135,7 +142,13 @@ def load_version(
 
 
 def watch_alias(
-    served: ServedModel, threads: int, every_s: float, limits: Limits, metrics: Any, device: str = "cpu"
+    served: ServedModel,
+    threads: int,
+    every_s: float,
+    limits: Limits,
+    metrics: Any,
+    device: str = "cpu",
+    tensor_parallel: int = 1,
 ) -> threading.Thread:
     """A daemon thread that swaps in the version `served.alias` points to whenever it moves (every `every_s`)."""
 
@@ -150,7 +163,9 @@ def watch_alias(
         if version in refused:
             return
         try:
-            loaded = load_version(served.registered, version, threads, limits, metrics, device)
+            loaded = load_version(
+                served.registered, version, threads, limits, metrics, device, tensor_parallel
+            )
         except Exception as exc:  # keep serving the old model and say why in /health
             if isinstance(exc, LlmoptError):
                 refused.add(version)  # its bytes or its registration are wrong: retrying cannot help

@@ -82,7 +82,8 @@ class TargetConfig(Strict):
     # where models run: cpu, cuda (the first visible GPU) or cuda:N; hpu is recognised only to be refused
     device: Annotated[str, Field(pattern=r"^(cpu|cuda(:[0-9]+)?|hpu)$")] = "cpu"
     threads: Annotated[int, Field(ge=1, le=1024)] = 2
-    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1  # DeepSpeed tensor-parallel degree (GPU targets)
+    # GPUs one model is split over (transformers' tensor parallelism, ranks launched by llmopt; cuda targets)
+    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1
 
     @property
     def is_cuda(self) -> bool:

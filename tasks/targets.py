@@ -39,16 +39,47 @@ def _device_problems(config: Config, visible: int) -> list[str]:
             f"target.device: {target.device}, but torch sees {visible} CUDA device(s) (cuda:0…cuda:{visible - 1}); "
             "use one of them"
         )
-    if not target.is_cuda and target.tensor_parallel > 1:
+    ranks = target.tensor_parallel
+    if not target.is_cuda and ranks > 1:
         problems.append(
-            f"target.tensor_parallel: {target.tensor_parallel} ranks need a multi-GPU cuda target "
-            "(DeepSpeed AutoTP on CPU crashes at 2 ranks); use 1"
+            f"target.tensor_parallel: {ranks} ranks need a multi-GPU cuda target (on a CPU the ranks would only "
+            "share the same cores); use 1"
         )
-    elif target.tensor_parallel > 1:
+    elif ranks > 1 and target.cuda_index != 0:
         problems.append(
-            f"target.tensor_parallel: {target.tensor_parallel} ranks are not launched by llmopt yet (one GPU per "
-            "variant so far); use 1"
+            f"target.tensor_parallel: {ranks} ranks run on cuda:0…cuda:{ranks - 1}, not from {target.device}; "
+            "set target.device: cuda"
         )
+    elif ranks > visible > 0:
+        problems.append(
+            f"target.tensor_parallel: {ranks} ranks need {ranks} GPUs, torch sees {visible}; use "
+            f"{visible if visible > 1 else 1}"
+        )
+    if ranks > 1:
+        problems += _split_problems(config)
+    return problems
+
+
+def _split_problems(config: Config) -> list[str]:
+    """What tensor parallelism cannot split: transformers shards float weights, with the default KV cache."""
+    problems = []
+    for name, variant in config.variants.items():
+        for index, step in enumerate(variant.steps):
+            if step.technique.role in ("quantize", "export"):
+                problems.append(
+                    f"variants.{name}.steps[{index}].{step.kind}: tensor parallelism splits float torch weights; "
+                    "use runtime.dtype bfloat16 there, or target.tensor_parallel: 1"
+                )
+        unsplit = [
+            key
+            for key in ("kv_cache", "sliding_window", "wrapper", "compile")
+            if key in variant.runtime.model_fields_set
+        ]
+        if unsplit:
+            problems.append(
+                f"variants.{name}.runtime.{unsplit[0]}: not run with tensor parallelism by llmopt; leave it at its "
+                "default, or target.tensor_parallel: 1"
+            )
     return problems
 
 

@@ -22,10 +22,11 @@ ENGINES: dict[str, type[Runtime]] = {
 __all__ = ["ENGINES", "Runtime", "load_runtime"]
 
 
-def load_runtime(folder: Path, threads: int, device: str = "cpu") -> Runtime:
+def load_runtime(folder: Path, threads: int, device: str = "cpu", tensor_parallel: int = 1) -> Runtime:
     """Open the variant in `folder` with the engine its manifest names, on `device` (params.yaml target.device)
     with `threads` CPU threads unless the recipe sets them, once its bytes are verified against the manifest's
-    content hash (a damaged file is an ArtifactError)."""
+    content hash (a damaged file is an ArtifactError). `tensor_parallel` > 1 (target.tensor_parallel): the torch
+    engine split over that many ranks, which llmopt starts (tasks/engines/tensor_parallel.py)."""
     manifest = verify_variant(folder)
     if manifest.engine not in ENGINES:
         raise ArtifactError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(ENGINES)}")
@@ -34,4 +35,11 @@ def load_runtime(folder: Path, threads: int, device: str = "cpu") -> Runtime:
         raise TargetError(
             f"{folder}: the {manifest.engine} engine runs on {', '.join(engine.DEVICES)}, not {device}"
         )
-    return engine(folder, manifest, manifest.runtime_settings().threads or threads, device)
+    threads = manifest.runtime_settings().threads or threads
+    if tensor_parallel > 1:
+        if engine is not pytorch.TorchRuntime:
+            raise TargetError(f"{folder}: tensor parallelism is the torch engine's, not {manifest.engine}'s")
+        from tasks.engines.tensor_parallel import TensorParallelRuntime
+
+        return TensorParallelRuntime(folder, manifest, threads, device, tensor_parallel)
+    return engine(folder, manifest, threads, device)

@@ -25,7 +25,15 @@ class TorchRuntime(Runtime):
 
     DEVICES = ("cpu", "cuda")
 
-    def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        folder: Path,
+        manifest: VariantManifest,
+        threads: int,
+        device: str = "cpu",
+        tensor_parallel: int = 1,
+    ) -> None:
+        """`tensor_parallel` > 1: this process is one rank of a split model (tasks/engines/tensor_parallel.py)."""
         import torch
         from transformers import AutoTokenizer
 
@@ -34,7 +42,9 @@ class TorchRuntime(Runtime):
         settings = manifest.runtime_settings()
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         try:
-            self.model = load_torch_model(folder, manifest.weights_format, manifest.dtype, settings, device)
+            self.model = load_torch_model(
+                folder, manifest.weights_format, manifest.dtype, settings, device, tensor_parallel
+            )
         except (OSError, RuntimeError, ValueError) as exc:
             raise ArtifactError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
         self.device = torch.device(device)
@@ -64,6 +74,14 @@ class TorchRuntime(Runtime):
                 nll = torch.nn.functional.cross_entropy(logits, tensor[0, 1:], reduction="sum")
                 results.append((float(nll), len(ids) - 1))
         return results
+
+    def logits(self, sequences: list[list[int]]) -> Any:
+        """Float32 logits at every position of equal-length `sequences` (batch × length × vocabulary, on the host):
+        for tools that compare a variant's outputs with another's."""
+        import torch
+
+        with self._no_grad():
+            return self.model(input_ids=torch.tensor(sequences, device=self.device)).logits.float().cpu()
 
     def batch_decoder(self) -> TorchBatchDecoder:
         """On a GPU the sequences' steps run as one padded batch (what GPUs are for); on the CPU each sequence

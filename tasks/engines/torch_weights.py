@@ -50,17 +50,30 @@ def quantize_dynamic_int8(model: Any) -> Any:
 
 
 def load_torch_model(
-    folder: Path, weights_format: str, dtype: str, settings: RuntimeSettings, device: str = "cpu"
+    folder: Path,
+    weights_format: str,
+    dtype: str,
+    settings: RuntimeSettings,
+    device: str = "cpu",
+    tensor_parallel: int = 1,
 ) -> Any:
-    """The model in `folder` on `device`, as its weights format and runtime settings ask."""
+    """The model in `folder` on `device`, as its weights format and runtime settings ask; with `tensor_parallel`
+    > 1, this rank's shard of it (the process group is already joined)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if weights_format == HF_SAFETENSORS:
         options = {"dtype": getattr(torch, dtype), "attn_implementation": settings.attn_implementation}
+        if tensor_parallel > 1:
+            from transformers.distributed import DistributedConfig
+
+            split = DistributedConfig(tp_size=tensor_parallel)
+            return AutoModelForCausalLM.from_pretrained(folder, distributed_config=split, **options)
         if settings.sliding_window is not None:
             return _load_with_sliding_window(folder, settings.sliding_window, options).to(device)
         return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options).to(device)
+    if tensor_parallel > 1:
+        raise TargetError(f"tensor parallelism splits float weights, not {weights_format} ones")
     if weights_format in (TORCH_DYNAMIC, TRANSFORMERS_QUANTIZED, QUANTO, ON_LOAD):
         return load_quantized(folder, weights_format, device)
     raise ArtifactError(f"{folder}: weights format {weights_format!r} unknown; known: {', '.join(FORMATS)}")

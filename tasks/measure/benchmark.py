@@ -217,7 +217,12 @@ def stored_tensor_bytes(folder: Path) -> dict[str, int]:
 
 
 def benchmark_variant(
-    folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int, device: str = "cpu"
+    folder: Path,
+    cfg: BenchmarkConfig,
+    prompt_text: str,
+    threads: int,
+    device: str = "cpu",
+    tensor_parallel: int = 1,
 ) -> BenchmarkResult:
     """Load the variant on `device` and measure TTFT, decode speed per batch size and latency over the request
     set (every timed call returns token ids to the host, so a GPU's queued work is inside the timing)."""
@@ -228,7 +233,7 @@ def benchmark_variant(
 
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    runtime = load_runtime(folder, threads, device)
+    runtime = load_runtime(folder, threads, device, tensor_parallel)
     load_s = time.perf_counter() - start
     ids = runtime.encode(prompt_text)
     if not ids:
@@ -340,25 +345,36 @@ def _timed(call: Callable[[], object]) -> float:
 
 
 def benchmark_in_fresh_process(
-    folder: Path, cfg: BenchmarkConfig, prompt_text: str, threads: int, device: str = "cpu"
+    folder: Path,
+    cfg: BenchmarkConfig,
+    prompt_text: str,
+    threads: int,
+    device: str = "cpu",
+    tensor_parallel: int = 1,
 ) -> BenchmarkResult:
     """Run `benchmark_variant` in a newly spawned interpreter and return its result."""
     from tasks.quiet import output_to_log_file
 
     spawn = multiprocessing.get_context("spawn")
+    arguments = (str(folder), cfg.model_dump(), prompt_text, threads, device, tensor_parallel)
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=output_to_log_file) as pool:
-        future = pool.submit(_benchmark_as_dict, str(folder), cfg.model_dump(), prompt_text, threads, device)
+        future = pool.submit(_benchmark_as_dict, *arguments)
         failpoint("benchmark")  # tests: SIGKILL while the benchmark process runs
         result = future.result()
     result["batches"] = [BatchSpeed(**batch) for batch in result["batches"]]
     return BenchmarkResult(**result)
 
 
-def _benchmark_as_dict(folder: str, cfg: dict, prompt_text: str, threads: int, device: str) -> dict:
+def _benchmark_as_dict(
+    folder: str, cfg: dict, prompt_text: str, threads: int, device: str, tensor_parallel: int
+) -> dict:
     from tasks.quiet import quiet_libraries
 
     quiet_libraries()  # a spawned interpreter does not inherit the CLI's warning filters and log levels
-    return asdict(benchmark_variant(Path(folder), BenchmarkConfig(**cfg), prompt_text, threads, device))
+    result = benchmark_variant(
+        Path(folder), BenchmarkConfig(**cfg), prompt_text, threads, device, tensor_parallel
+    )
+    return asdict(result)
 
 
 def _peak_rss_mb() -> float:

@@ -181,9 +181,10 @@ def evaluation_key(
     cfg: EvaluateConfig,
     reference: list[list[int]] | None,
     device: str = "cpu",
+    tensor_parallel: int = 1,
 ) -> str:
     """Identity of an evaluation: same model (bytes and runtime settings), evaluation text, settings, reference,
-    device (a GPU's kernels round differently) and measuring code."""
+    device (a GPU's kernels round differently), ranks (a split model sums in another order) and measuring code."""
     import hashlib
     import json
     from importlib import metadata
@@ -194,6 +195,7 @@ def evaluation_key(
         "settings": cfg.model_dump(mode="json"),
         "reference": reference,
         "device": device,
+        **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}),  # unsplit keys as before
         "code": code_sha256(MEASURING_MODULES),
         "versions": [metadata.version(p) for p in ("torch", "transformers", "onnxruntime-genai")],
     }
@@ -239,14 +241,16 @@ def evaluate_or_reuse(
     threads: int,
     progress: Callable[[int, int], None] | None = None,
     device: str = "cpu",
+    tensor_parallel: int = 1,
 ) -> tuple[VariantEvaluation, bool]:
     """(evaluation, reused): the evaluation saved in `saved` when its key (bytes, text, settings, reference,
     measuring code) still matches, else a fresh one through the variant's Runtime, saved for next time."""
-    key = evaluation_key(manifest.model_hash, texts, cfg, reference, device)
+    key = evaluation_key(manifest.model_hash, texts, cfg, reference, device, tensor_parallel)
     previous = load_evaluation(saved, key)
     if previous is not None:
         return previous, True
-    evaluation = evaluate_variant(load_runtime(folder, threads, device), texts, cfg, reference, progress)
+    runtime = load_runtime(folder, threads, device, tensor_parallel)
+    evaluation = evaluate_variant(runtime, texts, cfg, reference, progress)
     failpoint("evaluate")  # tests: SIGKILL with the evaluation measured, not yet saved
     save_evaluation(saved, key, evaluation)
     return evaluation, False

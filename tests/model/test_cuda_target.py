@@ -51,7 +51,10 @@ def test_the_gpus_padded_batch_decoder_steps_sequences_of_different_lengths_as_e
     from tasks.engines.pytorch import PaddedBatchDecoder
 
     runtime = load_runtime(baseline_dir, threads=1)
-    alone, padded = runtime.batch_decoder(), PaddedBatchDecoder(runtime.model, runtime._no_grad, runtime.device)
+    alone, padded = (
+        runtime.batch_decoder(),
+        PaddedBatchDecoder(runtime.model, runtime._no_grad, runtime.device),
+    )
     assert type(alone) is not PaddedBatchDecoder  # the CPU keeps the exact one-call-a-sequence decoder
     prompts = [[1, 5, 9, 13, 2, 40, 41], [7, 7, 3], [11, 12, 13, 14, 15]]
     joined = {}

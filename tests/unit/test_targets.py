@@ -125,3 +125,22 @@ def test_a_setting_added_later_keeps_the_build_keys_of_variants_that_leave_it_at
     plain, compiled = config(), config(kv_cache="static", compile=True)
     assert "compile" not in plain.variants["v"].runtime.identity()
     assert compiled.variants["v"].runtime.identity()["compile"] is True
+
+
+def _split(device: str, visible: int, **variant) -> list[str]:
+    cfg = Config.model_validate(
+        {"target": {"device": device, "tensor_parallel": 2}, "variants": {"baseline": {}, "v": variant}}
+    )
+    return target_problems(cfg, cuda_available=True, cuda_devices=visible)
+
+
+def test_tensor_parallelism_runs_float_torch_variants_over_as_many_gpus_as_are_visible():
+    assert _split("cuda", 2, runtime={"dtype": "bfloat16"}) == []
+    (fewer,) = _split("cuda", 1)
+    assert fewer == "target.tensor_parallel: 2 ranks need 2 GPUs, torch sees 1; use 1"
+    (offset,) = _split("cuda:1", 4)
+    assert offset.startswith("target.tensor_parallel: 2 ranks run on cuda:0…cuda:1, not from cuda:1")
+    (quantized,) = _split("cuda", 2, steps=[{"quantize": {"method": "torchao_int8_weight_only"}}])
+    assert quantized.startswith("variants.v.steps[0].quantize: tensor parallelism splits float torch weights")
+    (compiled,) = _split("cuda", 2, runtime={"kv_cache": "static", "compile": True})
+    assert compiled.startswith("variants.v.runtime.kv_cache: not run with tensor parallelism")
