@@ -58,6 +58,13 @@ class TorchRuntime(Runtime):
                 f"{folder}: runtime.compile: transformers does not compile {type(quantizer).__name__} models; "
                 "set compile: false"
             )
+        self.compiled = settings.compile  # callers warm every shape up before timing (a new shape compiles)
+        if self.compiled:
+            import torch._dynamo.config as dynamo
+
+            # each batch size and static-cache length is one more graph; past torch's default limit of 8 a
+            # fullgraph compile raises instead of running
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         self._options = generation_options(settings, self.model.config.head_dim)
         # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
         no_grad = torch.no_grad if manifest.weights_format == QUANTO else torch.inference_mode
@@ -85,8 +92,16 @@ class TorchRuntime(Runtime):
 
     def batch_decoder(self) -> TorchBatchDecoder:
         """On a GPU the sequences' steps run as one padded batch (what GPUs are for); on the CPU each sequence
-        steps alone, which keeps fp32 results independent of the batch (see `PaddedBatchDecoder`)."""
-        decoder = PaddedBatchDecoder if self.device.type == "cuda" else TorchBatchDecoder
+        steps alone, which keeps fp32 results independent of the batch (see `PaddedBatchDecoder`). Also alone:
+        SDPA pinned to the flash kernel (it takes no attention mask on CUDA) and a sliding window (its cache
+        layer would be replaced by a growing one)."""
+        settings = self.manifest.runtime_settings()
+        padded = (
+            self.device.type == "cuda"
+            and settings.sdpa_backend != "flash"
+            and settings.sliding_window is None
+        )
+        decoder = PaddedBatchDecoder if padded else TorchBatchDecoder
         return decoder(self.model, self._no_grad, self.device)
 
     def _generate_batch(

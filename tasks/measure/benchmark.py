@@ -77,8 +77,11 @@ def measure(
     runtime: Runtime, prompts: list[list[int]], new_tokens: int, warmup: int, repeats: int
 ) -> tuple[list[float], list[float]]:
     """(TTFT seconds per repeat, total seconds for `new_tokens` per repeat) of one batch, after warm-up runs."""
-    for _ in range(warmup):  # a few tokens settle allocation and kernel choice for these shapes
-        runtime.generate(prompts, min(new_tokens, 4), stop_at_eos=False)
+    # a few tokens settle allocation and kernel choice for these shapes; a compiled variant warms up at the full
+    # length, so its static cache (and graph) has the timed runs' shape before any timing
+    warm_tokens = new_tokens if getattr(runtime, "compiled", False) else min(new_tokens, 4)
+    for _ in range(warmup):
+        runtime.generate(prompts, warm_tokens, stop_at_eos=False)
     ttft, total = [], []
     for _ in range(repeats):
         ttft.append(_timed(lambda: runtime.generate(prompts, 1, stop_at_eos=False)))
@@ -165,7 +168,7 @@ def weight_bytes(folder: Path) -> int:
     )
 
 
-def decode_read_bytes(folder: Path) -> int:
+def decode_read_bytes(folder: Path, device: str = "cpu") -> int:
     """Weight bytes one batch-1 decode step reads: every weight file, less an input-embedding table stored apart
     from the output projection (a step reads one row of it; a tied table is read whole by the output layer).
     Matrices quantized when loaded count as packed on the device, not as stored."""
@@ -177,7 +180,8 @@ def decode_read_bytes(folder: Path) -> int:
     embeddings = sum(size for name, size in tensors.items() if name.endswith(EMBEDDING_TABLES))
     untied = any("lm_head" in name or name == "output.weight" for name in tensors)  # GGUF: output.weight
     on_load = folder / ON_LOAD_FILE
-    packed = json.loads(on_load.read_text())["packed_bytes"] if on_load.is_file() else {}
+    packed_by_device = json.loads(on_load.read_text())["packed_bytes"] if on_load.is_file() else {}
+    packed = packed_by_device.get(device.partition(":")[0], {})
     shrunk = sum(tensors[name] - size for name, size in packed.items() if name in tensors)
     return weight_bytes(folder) - shrunk - (embeddings if untied else 0)
 
@@ -243,6 +247,8 @@ def benchmark_variant(
     batches = [batch_speed(runtime, prompt, size, cfg) for size in cfg.batch_sizes]
     single = next(b for b in batches if b.batch_size == 1)
     requests = request_set(ids, cfg.requests, min(cfg.ttft_prompt_tokens), max(cfg.ttft_prompt_tokens))
+    if getattr(runtime, "compiled", False):  # every request's shape compiled before the timed pass
+        request_latencies(runtime, requests, cfg.request_new_tokens)
     latencies = request_latencies(runtime, requests, cfg.request_new_tokens)
     low, high, coverage = median_interval(single.decode_tok_s_runs)
     return BenchmarkResult(
@@ -260,7 +266,7 @@ def benchmark_variant(
         prompt_tokens=len(prompt),
         new_tokens=cfg.new_tokens,
         weight_bytes=weight_bytes(folder),
-        decode_read_bytes=decode_read_bytes(folder),
+        decode_read_bytes=decode_read_bytes(folder, device),
         peak_rss_mb=_peak_rss_mb(),
         process_rss_before_load_mb=rss_before,
         threads=threads,

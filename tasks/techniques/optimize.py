@@ -15,7 +15,7 @@ from typing import Any
 from tasks.config import VariantConfig
 from tasks.engines import pytorch
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
-from tasks.engines.torch_weights import HF_SAFETENSORS
+from tasks.engines.torch_weights import HF_SAFETENSORS, ON_LOAD
 from tasks.errors import ArtifactError, BuildError, ConfigError
 from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase, save_tokenizer
@@ -100,7 +100,8 @@ def build_variant(
             base_hash=base.content_hash,
             data_hash=data_hash,
             weights_format=weights_format,
-            dtype=variant.runtime.dtype,
+            # methods torchao quantizes at load compute in bfloat16, whatever runtime.dtype says
+            dtype="bfloat16" if weights_format == ON_LOAD else variant.runtime.dtype,
             engine=engine,
             parameters=parameters,
             size_bytes=folder_size(staging),

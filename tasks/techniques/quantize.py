@@ -196,8 +196,8 @@ class Quantize(Technique):
             return [f"{where}.method: {settings.method} does not run on {device}: {method.instead}"]
         if settings.method == "gptqmodel":
             return [
-                f"{where}.method: gptqmodel is not installed (it has no wheel; its CUDA kernels build at install); "
-                "use torchao_int4_gptq (GPTQ onto torchao's int4 kernels)"
+                f"{where}.method: gptqmodel is not driven by llmopt (it has no wheel here; its CUDA kernels build at "
+                "install); use torchao_int4_gptq (llmopt's GPTQ onto torchao's int4 kernels)"
             ]
         if settings.compute_dtype == "float16" and not config.target.is_cuda:
             return [
@@ -283,12 +283,15 @@ def quantize_model(
         QUANTO,
         TORCH_DYNAMIC,
         TRANSFORMERS_QUANTIZED,
+        on_load_modules,
         quantize_dynamic_int8,
     )
 
     if METHODS[step.method].on_load:
         if METHODS[step.method].on_load == "tinygemm_int4":
             round_onto_torchao_grid(model, step, calibration, progress)
+        else:
+            refuse_unquantized_decoder_matrices(model, on_load_modules(model, on_load_record(step)), step)
         return model, ON_LOAD
     if step.method == "torch_dynamic_int8":
         return quantize_dynamic_int8(model), TORCH_DYNAMIC
@@ -355,10 +358,29 @@ def round_onto_torchao_grid(
     if gptq and not calibration:
         raise ValueError("method: torchao_int4_gptq calibrates on the calibration split, which is empty")
     modules = on_load_modules(model, on_load_record(step))
+    refuse_unquantized_decoder_matrices(model, modules, step)
     rounded = round_onto_tinygemm(model, modules, step.group_size, calibration if gptq else None, progress)
     with torch.no_grad():
         for name, result in rounded.items():
             modules[name].weight.copy_(result.weight.float())
+
+
+def refuse_unquantized_decoder_matrices(model: Any, chosen: dict[str, Any], step: QuantizeStep) -> None:
+    """A decoder matrix torchao would leave in bfloat16 (its inputs do not split into whole groups, or its outputs
+    are not a multiple of 16) is refused, naming it: the variant would be reported as 4-bit and not be."""
+    import torch
+
+    left = [
+        f"{name} ({module.out_features}×{module.in_features})"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and name not in chosen
+    ]
+    if left:
+        group = f"group_size: {step.group_size}" if METHODS[step.method].on_load == "tinygemm_int4" else "FP8"
+        raise ValueError(
+            f"method: {step.method}: {group} leaves {len(left)} decoder matrices unquantized (e.g. {left[0]}: "
+            "inputs must split into whole groups, outputs be a multiple of 16); choose a group that divides them"
+        )
 
 
 def quantize_at_load(model: Any, quantization_config: Any) -> Any:
@@ -434,16 +456,24 @@ def save_quantized(model: Any, weights_format: str, dest: Path, record: dict[str
 
 
 def packed_bytes(model: Any, record: dict[str, Any]) -> dict[str, Any]:
-    """The bytes each stored tensor takes once torchao has packed it on the device (int4: half a byte a weight
-    plus a bfloat16 scale and zero point per group; FP8: a byte a weight plus a float32 scale per row), keyed by
-    the stored tensor's name, for the roofline; tensors left in bfloat16 keep their stored size."""
-    from tasks.engines.torch_weights import on_load_modules
+    """Per device kind, the bytes each stored tensor takes once torchao has packed it there, keyed by the stored
+    tensor's name, for the roofline (tensors left in bfloat16 keep their stored size). int4: half a byte a weight
+    plus a bfloat16 scale and zero point per group, on CUDA of the matrix padded to inputs in multiples of 1024 and
+    outputs in multiples of 8 (the tile-packed kernel reads the padding too); FP8: a byte a weight plus a float32
+    scale per row."""
+    from tasks.engines.torch_weights import ON_LOAD_KERNELS, on_load_modules
 
-    packed = {}
-    for name, module in on_load_modules(model, record).items():
-        rows, columns = module.weight.shape
-        if record["kernel"] == "tinygemm_int4":
-            packed[f"{name}.weight"] = rows * columns // 2 + rows * (columns // record["group_size"]) * 4
-        else:
-            packed[f"{name}.weight"] = rows * columns + rows * 4
-    return {"packed_bytes": packed}
+    def size(rows: int, columns: int, device: str) -> int:
+        if record["kernel"] == "fp8_per_row":
+            return rows * columns + rows * 4
+        if device == "cuda":
+            rows, columns = -(-rows // 8) * 8, -(-columns // 1024) * 1024
+        return rows * columns // 2 + rows * (columns // record["group_size"]) * 4
+
+    modules = on_load_modules(model, record)
+    return {
+        "packed_bytes": {
+            device: {f"{name}.weight": size(*module.weight.shape, device) for name, module in modules.items()}
+            for device in ON_LOAD_KERNELS[record["kernel"]]
+        }
+    }

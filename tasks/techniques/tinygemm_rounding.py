@@ -18,6 +18,10 @@ from typing import Any
 from tasks.techniques.gptq_rounding import DAMPING
 
 LEVELS = 16  # uint4: 0…15
+# torchao's smallest scale: the CPU's int4 pack clamps scales at 1e-6, the CUDA one at bfloat16's smallest normal
+CPU_EPS, CUDA_EPS = 1e-6, None
+# groups narrower than 16 CPU steps would get another grid on each device: stored as one value (level 0) instead
+NARROW_SPAN = LEVELS * CPU_EPS
 
 
 @dataclass(frozen=True)
@@ -29,9 +33,9 @@ class TinygemmRounded:
     weight: Any
 
 
-def tinygemm_qparams(weight: Any, group_size: int) -> tuple[Any, Any]:
+def tinygemm_qparams(weight: Any, group_size: int, eps: float | None = CUDA_EPS) -> tuple[Any, Any]:
     """(scale, zero point) per row and group (rows × groups), as torchao's tinygemm int4 chooses them for this
-    bfloat16 weight."""
+    bfloat16 weight (`eps`: the device's smallest scale)."""
     import torch
     from torchao.quantization.quant_primitives import MappingType, _choose_qparams_affine_tinygemm
 
@@ -42,6 +46,7 @@ def tinygemm_qparams(weight: Any, group_size: int) -> tuple[Any, Any]:
         torch.int32,
         0,
         LEVELS - 1,
+        eps=eps,
         scale_dtype=torch.bfloat16,
         zero_point_dtype=torch.bfloat16,
     )
@@ -49,12 +54,12 @@ def tinygemm_qparams(weight: Any, group_size: int) -> tuple[Any, Any]:
     return scale.reshape(rows, -1), zero.reshape(rows, -1)  # one group a row comes back flat
 
 
-def tinygemm_levels(weight: Any, group_size: int) -> Any:
+def tinygemm_levels(weight: Any, group_size: int, eps: float | None = CUDA_EPS) -> Any:
     """The integers torchao's tinygemm int4 stores for this bfloat16 weight (its own qparams and rounding)."""
     import torch
     from torchao.quantization.quant_primitives import _quantize_affine_tinygemm
 
-    scale, zero = tinygemm_qparams(weight, group_size)
+    scale, zero = tinygemm_qparams(weight, group_size, eps)
     return _quantize_affine_tinygemm(weight, [1, group_size], scale, zero, torch.int32, 0, LEVELS - 1)
 
 
@@ -88,9 +93,19 @@ def nearest_on_tinygemm(weight: Any, group_size: int) -> TinygemmRounded:
     """`weight` rounded to nearest on torchao's tinygemm grid (what torchao itself does at load), dequantized."""
     import torch
 
-    original = weight.detach().to(torch.bfloat16)
+    original = _narrow_groups_flattened(weight.detach().to(torch.bfloat16), group_size)
     levels = tinygemm_levels(original, group_size)
     return TinygemmRounded(levels, settled_on_grid(levels, original, group_size))
+
+
+def _narrow_groups_flattened(weight: Any, group_size: int) -> Any:
+    """Groups whose span is below `NARROW_SPAN` set to their smallest value (a constant group: level 0 on every
+    device), so the CPU's and CUDA's torchao read the same integers from the stored weights."""
+    rows, columns = weight.shape
+    grouped = weight.reshape(rows, -1, group_size)
+    low = grouped.amin(dim=2, keepdim=True)
+    narrow = (grouped.amax(dim=2, keepdim=True).float() - low.float()) < NARROW_SPAN
+    return grouped.where(~narrow, low.expand_as(grouped)).reshape(rows, columns)
 
 
 def gptq_onto_tinygemm(weight: Any, hessian: Any, group_size: int) -> TinygemmRounded:
@@ -98,7 +113,7 @@ def gptq_onto_tinygemm(weight: Any, hessian: Any, group_size: int) -> TinygemmRo
     bfloat16 copy, each group's smallest and largest weight pinned at levels 0 and 15 (they fix the grid)."""
     import torch
 
-    original = weight.detach().to(torch.bfloat16)
+    original = _narrow_groups_flattened(weight.detach().to(torch.bfloat16), group_size)
     rows, columns = original.shape
     scale, zero = tinygemm_qparams(original, group_size)
     step = scale.float().repeat_interleave(group_size, dim=1)
@@ -171,11 +186,12 @@ def round_onto_tinygemm(
             result = gptq_onto_tinygemm(module.weight, found[name], group_size)
         else:
             result = nearest_on_tinygemm(module.weight, group_size)
-        differ = int((tinygemm_levels(result.weight, group_size) != result.levels).sum())
-        if differ:
-            raise BuildError(
-                f"{name}: torchao would read {differ} of the chosen int4 levels back differently"
-            )
+        for device, eps in (("cuda", CUDA_EPS), ("cpu", CPU_EPS)):
+            differ = int((tinygemm_levels(result.weight, group_size, eps) != result.levels).sum())
+            if differ:
+                raise BuildError(
+                    f"{name}: torchao on {device} would read {differ} of the chosen int4 levels back differently"
+                )
         rounded[name] = result
     if progress is not None:
         progress("int4 grid", len(modules), len(modules))

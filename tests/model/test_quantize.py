@@ -96,6 +96,8 @@ def test_torchao_int4_is_packed_when_loaded_and_runs_exactly_the_stored_grid(
     tiny_model_dir, tmp_path, method
 ):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():  # a group far narrower than the CPU kernel's smallest step (1e-6 × 15)
+        model.model.layers[0].mlp.up_proj.weight[:4].mul_(1e-5)
     step = QuantizeStep(method=method)
     windows = [[(i * 7 + j) % 300 for j in range(48)] for i in range(4)]
     quantized, weights_format = quantize_model(model, step, windows)
@@ -112,10 +114,35 @@ def test_torchao_int4_is_packed_when_loaded_and_runs_exactly_the_stored_grid(
     with torch.no_grad():
         run, plain = loaded(IDS).logits.float(), stored(IDS).logits.float()
     assert torch.allclose(run, plain, atol=0.05 * plain.abs().max())  # the kernel multiplies the stored grid
-    for name in packed:  # stored on the grid: torchao's rounding at load changes no stored weight
-        weight = stored.get_submodule(name).weight
-        assert torch.equal(tinygemm_dequantized(tinygemm_levels(weight, 64), weight, 64), weight)
-    assert decode_read_bytes(tmp_path) < 0.75 * weight_bytes(tmp_path)  # counted packed, not as stored
+    for (
+        name
+    ) in packed:  # what the packed kernel multiplies by (identity in) is the stored weight, to rounding
+        weight = stored.get_submodule(name).weight.float()
+        columns = weight.shape[1]
+        with torch.no_grad():
+            effective = loaded.get_submodule(name)(torch.eye(columns, dtype=torch.bfloat16)).float().T
+        step_size = (
+            weight.reshape(weight.shape[0], -1, 64).amax(2) - weight.reshape(weight.shape[0], -1, 64).amin(2)
+        ) / 15
+        # a quarter step, the bfloat16 output's rounding, and the CPU kernel's own rounding of a flat group's zero
+        # point (its smallest scale, 1e-6, times 8, held in bfloat16)
+        allowed = 0.25 * step_size.repeat_interleave(64, 1) + 2**-8 * weight.abs() + 8e-6 * 2**-7
+        assert ((effective - weight).abs() <= allowed).all(), name
+    cpu, cuda = decode_read_bytes(tmp_path, "cpu"), decode_read_bytes(tmp_path, "cuda")
+    assert cpu < 0.75 * weight_bytes(tmp_path)  # counted packed, not as stored
+    assert (
+        cuda > cpu
+    )  # CUDA's tile packing pads the inputs to 1024 (64 here): the roofline counts the padding
+
+
+def test_a_group_size_that_leaves_decoder_matrices_unquantized_is_refused(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir
+    )  # hidden size 64: a group of 128 does not fit
+    with pytest.raises(
+        ValueError, match=r"group_size: 128 leaves 12 decoder matrices unquantized \(e.g. model"
+    ):
+        quantize_model(model, QuantizeStep(method="torchao_int4_tinygemm", group_size=128), [])
 
 
 def _quantize_on(device: str, method: str, capability: tuple[int, int] | None, monkeypatch) -> list[str]:
@@ -153,7 +180,7 @@ def _quantize_on(device: str, method: str, capability: tuple[int, int] | None, m
             (9, 0),
             "does not run on cuda: torch's dynamic int8 kernels are CPU-only",
         ),
-        ("cuda", "gptqmodel", (9, 0), "gptqmodel is not installed"),
+        ("cuda", "gptqmodel", (9, 0), "gptqmodel is not driven by llmopt"),
         ("cuda", "torchao_fp8_per_row", (9, 0), None),
         ("cuda", "torchao_int4_gptq", (9, 0), None),
         ("cuda", "bnb_nf4", (9, 0), None),
