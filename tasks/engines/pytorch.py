@@ -236,6 +236,9 @@ def inference_context(no_grad: Any, sdpa_backend: str | None) -> Any:
     kernel that cannot run raises instead of falling back, so the backend recorded is the backend that ran)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if sdpa_backend == "efficient":
+        _no_gqa_flag_for_the_efficient_kernel()
+
     @contextlib.contextmanager
     def context() -> Any:
         pinned = sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[sdpa_backend])) if sdpa_backend else None
@@ -243,6 +246,32 @@ def inference_context(no_grad: Any, sdpa_backend: str | None) -> Any:
             yield
 
     return context
+
+
+def _no_gqa_flag_for_the_efficient_kernel() -> None:
+    """torch's memory-efficient SDPA kernel takes no `enable_gqa` (torch 2.11 on an H200: "No available kernel" for
+    every grouped-query model), which transformers passes whenever there is no mask. While that kernel is the only
+    one enabled, transformers is told not to, so it repeats (or, for one query, packs) the key/value heads itself:
+    the same attention, computed by the kernel the recipe names. Installed once; other backends are unaffected."""
+    from transformers.integrations import sdpa_attention
+
+    original = sdpa_attention.use_gqa_in_sdpa
+    if getattr(original, "llmopt_wrapped", False):
+        return
+
+    def use_gqa_in_sdpa(*args: Any, **kwargs: Any) -> bool:
+        return original(*args, **kwargs) and not only_efficient_sdpa_enabled()
+
+    use_gqa_in_sdpa.llmopt_wrapped = True  # type: ignore[attr-defined]
+    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
+
+
+def only_efficient_sdpa_enabled() -> bool:
+    """Whether torch's SDPA may use the memory-efficient kernel and no other (`sdpa_kernel(EFFICIENT_ATTENTION)`)."""
+    from torch.backends import cuda
+
+    others = (cuda.flash_sdp_enabled(), cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())
+    return cuda.mem_efficient_sdp_enabled() and not any(others)
 
 
 def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:

@@ -87,3 +87,48 @@ def test_a_pinned_sdpa_kernel_that_cannot_run_raises_instead_of_falling_back(run
     with pytest.raises(RuntimeError, match="No viable backend for scaled_dot_product_attention"):
         runtimes["sdpa_efficient"].generate([ids], 2)
     assert runtimes["sdpa_flash"].generate([ids], 2) == runtimes["baseline"].generate([ids], 2)
+
+
+def test_the_efficient_kernel_gets_repeated_key_value_heads_with_the_same_attention(runtimes, monkeypatch):
+    """torch's memory-efficient kernel takes no `enable_gqa` (an H200 run: "No available kernel" for a grouped-query
+    Llama): while it is the only kernel enabled, transformers repeats the key/value heads itself (packs them for one
+    query), which gives the attention the grouped-query call gives."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations import sdpa_attention
+
+    from tasks.engines import pytorch
+
+    assert runtimes["sdpa_efficient"] is not None  # its runtime installed the rule
+    key = torch.zeros(1, 2, 5, 16)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        assert pytorch.only_efficient_sdpa_enabled()
+        assert not sdpa_attention.use_gqa_in_sdpa(None, key, key)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        assert not pytorch.only_efficient_sdpa_enabled()
+        assert sdpa_attention.use_gqa_in_sdpa(None, key, key)
+
+    model, ids = runtimes["baseline"].model, runtimes["baseline"].encode(TEXT)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            prefill = model(input_ids=torch.tensor([ids[:-1]]), use_cache=True)
+            step = model(input_ids=torch.tensor([ids[-1:]]), past_key_values=prefill.past_key_values)
+        return prefill.logits, step.logits
+
+    seen: list[bool] = []
+    original = sdpa_attention.torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append(kwargs.get("enable_gqa", False))
+        return original(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention.torch.nn.functional, "scaled_dot_product_attention", spy)
+    grouped = run()
+    assert any(seen)  # without the rule transformers asks SDPA for grouped-query attention
+    seen.clear()
+    monkeypatch.setattr(pytorch, "only_efficient_sdpa_enabled", lambda: True)  # as under the CUDA kernel
+    repeated = run()
+    assert seen and not any(seen)
+    for a, b in zip(grouped, repeated, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
