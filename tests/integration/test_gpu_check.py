@@ -17,6 +17,8 @@ CPU_REFUSED = {
     "sdpa_efficient": "a CUDA kernel of torch's SDPA",
     "sdpa_cudnn": "a CUDA kernel of torch's SDPA",
     "torchao_fp8_per_row": "FP8 matmuls need a GPU of compute capability 8.9",
+    "torchao_int4_tinygemm_compiled": "compiling the decode step with CUDA graphs needs a cuda target",
+    "torchao_int8_weight_only_compiled": "compiling the decode step with CUDA graphs needs a cuda target",
     "tensor_parallel_2": "ranks need a multi-GPU cuda target",
 }
 
