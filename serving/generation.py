@@ -25,6 +25,17 @@ class Piece:
     text: str
     token: int | None = None
     logprob: float | None = None
+    top: list[tuple[int, float]] | None = (
+        None  # the most likely tokens there, when the request asked for them
+    )
+
+
+@dataclass
+class PromptScores:
+    """The prompt's tokens with their log-probabilities (the first has none) and, when asked, the most likely
+    tokens at each position; sent before the first generated token when the request asked for them."""
+
+    entries: list[tuple[int, float | None, list[tuple[int, float]] | None]]
 
 
 @dataclass
@@ -32,6 +43,7 @@ class Finish:
     reason: str  # "stop" (EOS or a stop string) or "length"
     completion_tokens: int
     stop_string: bool = False  # a stop string (not the end-of-sequence token) ended it
+    stop_text: str = ""  # that stop string
 
 
 class Generation:
@@ -46,6 +58,8 @@ class Generation:
         stops: list[str],
         timeout_s: float,
         metrics: Any,
+        ignore_eos: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.served, self.loaded = served, served.current  # this request's model, even if a swap happens
         runtime = self.loaded.runtime
@@ -67,7 +81,8 @@ class Generation:
             max_tokens,
             sampling,
             lambda event: loop.call_soon_threadsafe(self._queue.put_nowait, event),
-            stop_ids=frozenset() if eos is None else frozenset({eos}),
+            stop_ids=frozenset() if eos is None or ignore_eos else frozenset({eos}),
+            prompt_logprobs=prompt_logprobs,
         )
         self._started = loop.time()
 
@@ -92,7 +107,7 @@ class Generation:
 
     async def events(
         self, disconnected: Callable[[], Awaitable[bool]] | None = None
-    ) -> AsyncIterator[Piece | Finish]:
+    ) -> AsyncIterator[Piece | PromptScores | Finish]:
         """Pieces as tokens arrive, then one Finish; raises RequestError on timeout or an engine failure. Leaving
         early (a stop string, the client gone) cancels what the model has left to do for this request."""
         loop, produced = asyncio.get_running_loop(), 0
@@ -102,11 +117,11 @@ class Generation:
             while True:
                 kind, value = await self._next(loop, deadline, disconnected)
                 if kind == "token":
-                    token, logprob = value
+                    token, logprob, top = value
                     produced += 1
                     if produced == 1 and self.metrics:
                         self.metrics.ttft.observe(loop.time() - self._started)
-                    yield Piece(self.text.push(token), token, logprob)
+                    yield Piece(self.text.push(token), token, logprob, top)
                     if self.text.stopped:
                         yield self._finish("stop", produced)
                         return
@@ -114,6 +129,8 @@ class Generation:
                         checked = loop.time()
                         if await disconnected():  # nobody reads the answer any more
                             raise RequestError(499, "client closed the connection", "cancelled")
+                elif kind == "prompt":
+                    yield PromptScores(value)
                 elif kind == "done":
                     tail = self.text.finish()
                     if tail:
@@ -143,4 +160,9 @@ class Generation:
     def _finish(self, reason: str, produced: int) -> Finish:
         if self.metrics:
             self.metrics.tokens.labels("out").inc(produced)
-        return Finish("stop" if reason == "cancelled" else reason, produced, stop_string=self.text.stopped)
+        return Finish(
+            "stop" if reason == "cancelled" else reason,
+            produced,
+            stop_string=self.text.stopped,
+            stop_text=self.text.stop_text,
+        )

@@ -25,20 +25,53 @@ log = logging.getLogger("llmopt.serve")
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a request picks its next token: temperature 0 is greedy (argmax, ties to the lowest id)."""
+    """How a request picks its next token: temperature 0 is greedy (argmax, ties to the lowest id). Penalties and
+    the EOS floor change the logits the choice is made from (greedy too); reported log-probabilities stay the
+    model's own."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
+    typical_p: float = 1.0  # locally typical sampling (TGI's typical_p); 1: off
+    repetition_penalty: float = 1.0  # transformers'/TGI's: logits of tokens seen (prompt included) /p or *p
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token was generated
+    presence_penalty: float = 0.0  # OpenAI's: minus this once a token was generated
+    min_tokens: int = 0  # stop tokens are not chosen before this many tokens
+    top_logprobs: int = 0  # the n most likely tokens' log-probabilities sent with each token
 
 
 GREEDY_BELOW = 1e-5  # a temperature this small samples the argmax anyway; dividing by it would overflow
 
 
+def adjusted_logits(
+    logits: np.ndarray, sampling: Sampling, prompt: list[int], generated: list[int], stop_ids: frozenset[int]
+) -> np.ndarray:
+    """The logits a token is chosen from: repetition penalty over prompt and answer (transformers' rule: positive
+    logits divided, negative multiplied), OpenAI's frequency and presence penalties over the answer, and stop
+    tokens barred until `min_tokens` were generated. Unchanged (the same array) when nothing applies."""
+    penalised = sampling.repetition_penalty != 1.0 or sampling.frequency_penalty or sampling.presence_penalty
+    floor = len(generated) < sampling.min_tokens and stop_ids
+    if not penalised and not floor:
+        return logits
+    out = logits.astype(np.float64)
+    if sampling.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(prompt + generated, dtype=np.int64))
+        values = out[seen]
+        out[seen] = np.where(
+            values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty
+        )
+    if generated and (sampling.frequency_penalty or sampling.presence_penalty):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        out[ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
+    if floor:
+        out[list(stop_ids)] = -np.inf
+    return out
+
+
 def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
-    """The next token from one sequence's logits: argmax when greedy, else a draw after temperature, top-k and
-    nucleus (top-p) cuts."""
+    """The next token from one sequence's logits: argmax when greedy, else a draw after temperature, top-k,
+    nucleus (top-p) and typical-p cuts."""
     if sampling.temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / sampling.temperature
@@ -50,6 +83,14 @@ def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
     if sampling.top_p < 1.0:  # the smallest head whose mass reaches top_p (always at least one token)
         keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    if sampling.typical_p < 1.0:  # the tokens closest to the entropy until their mass reaches typical_p
+        with np.errstate(divide="ignore", invalid="ignore"):
+            surprise = -np.log(probs)
+            entropy = float(np.nansum(probs * np.where(probs > 0, surprise, 0.0)))
+        by_typicality = np.argsort(np.abs(surprise - entropy), kind="stable")
+        keep = int(np.searchsorted(np.cumsum(probs[by_typicality]), sampling.typical_p)) + 1
+        chosen = by_typicality[:keep]
+        order, probs = order[chosen], probs[chosen] / probs[chosen].sum()
     if not np.isfinite(probs).all():  # logits the engine returned as inf/nan: nothing sensible to draw from
         raise ValueError("the model's logits are not finite")
     return int(order[rng.choice(len(order), p=probs)])
@@ -65,8 +106,8 @@ class SchedulerClosed(Exception):
 
 @dataclass(eq=False)
 class GenerationRequest:
-    """One request's generation. `on_event` is called from the worker thread with ("token", (id, log-probability))
-    for each token and
+    """One request's generation. `on_event` is called from the worker thread with ("token", (id, log-probability,
+    top)) for each token (`top`: the `sampling.top_logprobs` most likely (id, log-probability) pairs, or None) and
     finally ("done", finish_reason) or ("error", message); finish reasons: "stop" (an end-of-sequence token),
     "length" (max_tokens reached), "cancelled" (`cancel` was called: disconnect, timeout or a stop string)."""
 
@@ -75,6 +116,7 @@ class GenerationRequest:
     sampling: Sampling
     on_event: Callable[[tuple[str, Any]], None]
     stop_ids: frozenset[int] = frozenset()
+    prompt_logprobs: bool = False  # first send ("prompt", [(id, log-probability or None, top or None), …])
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.monotonic)
     ended: bool = False  # its last event was sent (set by the scheduler, under its lock)
@@ -90,6 +132,7 @@ class _Running:
     rng: np.random.Generator
     produced: int = 0
     last: int = -1
+    generated: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -193,6 +236,16 @@ class Scheduler:
         try:
             rng = np.random.default_rng(request.sampling.seed)
             started = time.perf_counter()
+            if request.prompt_logprobs:  # the forward pass `score` makes, on this thread that owns the engine
+                scores = prompt_scores(
+                    self.runtime.position_logits(request.prompt),
+                    request.prompt,
+                    request.sampling.top_logprobs,
+                )
+                request.on_event(("prompt", scores))
+            if request.max_tokens == 0:  # scoring only (OpenAI's echo with max_tokens 0)
+                self._end(request, ("done", "length"))
+                return
             sequence, logits = decoder.add(request.prompt)
             if self.metrics:
                 self.metrics.engine_seconds("prefill", time.perf_counter() - started)
@@ -233,9 +286,13 @@ class Scheduler:
         request = item.request
         finish = "cancelled" if request.cancelled.is_set() else None
         if finish is None:
-            token = choose_token(logits, request.sampling, item.rng)
+            sampling = request.sampling
+            chosen_from = adjusted_logits(logits, sampling, request.prompt, item.generated, request.stop_ids)
+            token = choose_token(chosen_from, sampling, item.rng)
             item.last, item.produced = token, item.produced + 1
-            request.on_event(("token", (token, _logprob(logits, token))))
+            item.generated.append(token)
+            top = _top_logprobs(logits, sampling.top_logprobs) if sampling.top_logprobs else None
+            request.on_event(("token", (token, _logprob(logits, token), top)))
             if token in request.stop_ids:
                 finish = "stop"
             elif item.produced >= request.max_tokens:
@@ -269,3 +326,23 @@ def _logprob(logits: np.ndarray, token: int) -> float:
     """The model's log-probability of `token` (before any temperature), as TGI's and OpenAI's answers report it."""
     peak = logits.max()
     return float(logits[token] - peak - np.log(np.exp(logits - peak).sum()))
+
+
+def _top_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The `n` most likely tokens and their log-probabilities under the model (ties to the lowest id)."""
+    peak = logits.max()
+    total = peak + np.log(np.exp(logits - peak).sum())
+    best = np.argsort(-logits, kind="stable")[:n]
+    return [(int(token), float(logits[token] - total)) for token in best]
+
+
+def prompt_scores(
+    logits: np.ndarray, prompt: list[int], top: int
+) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    """Each prompt token with its log-probability given the tokens before it (None for the first, which has no
+    context) and, when asked, the `top` most likely tokens at its position."""
+    scores: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(prompt[0], None, None)]
+    for position, token in enumerate(prompt[1:]):
+        row = np.asarray(logits[position], dtype=np.float64)
+        scores.append((token, _logprob(row, token), _top_logprobs(row, top) if top else None))
+    return scores

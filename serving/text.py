@@ -28,6 +28,7 @@ class TextStream:
         self.ids: list[int] = []
         self.text = ""  # released so far
         self.stopped = False  # a stop string was found; nothing more is released
+        self.stop_text = ""  # the stop string that ended the text (TGI's answers keep it; OpenAI's do not)
         self._decoded = ""  # the text of `ids[:_read]`
         self._prefix = self._read = 0  # context start and settled end of the ids decoded so far
 
@@ -57,8 +58,9 @@ class TextStream:
 
     def _release(self, final: bool) -> str:
         full = self._decoded
-        cut = min((index for index in map(full.find, self._stops) if index >= 0), default=-1)
-        if cut >= 0:
+        found = [(index, stop) for stop in self._stops if (index := full.find(stop)) >= 0]
+        if found:
+            cut, self.stop_text = min(found, key=lambda hit: hit[0])
             self.stopped, upto = True, full[:cut]
         else:
             held = 0 if final else max((_overlap(full, stop) for stop in self._stops), default=0)

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from serving.generation import Generation
 from serving.metrics import ServerMetrics
 from serving.models import ModelRouter, ServedModel
+from serving.scheduler import Sampling
 from serving.text import RequestError
 from tasks.config import ServeConfig
 
@@ -48,18 +49,26 @@ def require_api_key(request: Request) -> None:
 
 
 def start_generation(
-    http: Request, served: ServedModel, prompt: list[int], max_tokens: int, body: Any
+    http: Request,
+    served: ServedModel,
+    prompt: list[int],
+    max_tokens: int,
+    body: Any,
+    sampling: Sampling | None = None,
 ) -> Generation:
-    """Queue `prompt` on `served`'s scheduler with the request's sampling and stops (429 when the queue is full)."""
+    """Queue `prompt` on `served`'s scheduler with the request's sampling (or `sampling`) and stops (429 when the
+    queue is full)."""
     state = state_of(http)
     generation = Generation(
         served,
         prompt,
         max_tokens,
-        body.sampling(),
+        sampling or body.sampling(),
         body.stops(),
         state.settings.request_timeout_s,
         state.metrics,
+        ignore_eos=getattr(body, "ignore_eos", False),
+        prompt_logprobs=bool(getattr(body, "prompt_logprobs", False)),
     )
     generation.start()
     return generation
@@ -69,19 +78,20 @@ class _CancellingStream(StreamingResponse):
     """A stream whose request is cancelled however the response ends, even before its first byte (a client
     that leaves that early never starts the generator whose cleanup would cancel it)."""
 
-    def __init__(self, generation: Generation, lines: AsyncIterator[str]) -> None:
+    def __init__(self, generation: Generation | list[Generation], lines: AsyncIterator[str]) -> None:
         super().__init__(lines, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._generation = generation
+        self._generations = generation if isinstance(generation, list) else [generation]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._generation.request.cancel()
+            for generation in self._generations:
+                generation.request.cancel()
 
 
 def sse(
-    generation: Generation,
+    generation: Generation | list[Generation],
     events: AsyncIterator[dict],
     error_event: Callable[[RequestError], dict],
     done: str | None = None,

@@ -1,5 +1,5 @@
-"""TGI's wire API: `/generate`, `/generate_stream` and `/` (where TGI's clients post to a base URL), answered
-with TGI's tokens and details, and TGI's error shape inside a stream."""
+"""TGI's wire API: `/generate`, `/generate_stream` and `/` (where TGI's clients post to a base URL), `/info` and
+`/tokenize`, answered with TGI's tokens and details, and TGI's error shape for every refusal on these routes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from serving.api.common import require_api_key, sse, start_generation, state_of
-from serving.api.tgi_protocol import GenerateRequest
-from serving.generation import Finish, Generation, Piece
+from serving.api.tgi_protocol import GenerateRequest, TokenizeRequest
+from serving.generation import Finish, Generation, Piece, PromptScores
 from serving.text import RequestError
 
 TGI_DEFAULT_NEW_TOKENS = 100  # TGI's own default when a request names no max_new_tokens
@@ -35,44 +35,113 @@ async def tgi_compat(body: GenerateRequest, http: Request) -> Any:
     return answer if body.stream else [answer]
 
 
+@router.get("/info")
+def info(http: Request) -> dict:
+    """TGI's description of the served model and its limits (what clients and load generators read first)."""
+    state = state_of(http)
+    served = state.model_router.models[0]
+    runtime = served.current.runtime
+    context = runtime.context_length
+    return {
+        "model_id": served.served_id,
+        "model_sha": None,
+        "model_dtype": runtime.manifest.runtime_settings().dtype,
+        "model_device_type": runtime.manifest.engine,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": served.current.scheduler.max_queue,
+        "max_best_of": 1,
+        "max_stop_sequences": 4,
+        "max_input_tokens": context - 1,
+        "max_input_length": context - 1,
+        "max_total_tokens": context,
+        "max_client_batch_size": 1,
+        "validation_workers": 1,
+        "router": "llmopt",
+        "version": _version(),
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+@router.post("/tokenize")
+def tokenize(body: TokenizeRequest, http: Request) -> list[dict]:
+    """TGI's tokenization: each token's id, text and character span in the input."""
+    runtime = state_of(http).model_router.models[0].current.runtime
+    encoded = runtime.tokenizer(body.inputs, add_special_tokens=False, return_offsets_mapping=True)
+    return [
+        {"id": token, "text": body.inputs[start:stop], "start": start, "stop": stop}
+        for token, (start, stop) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+    ]
+
+
+_KINDS = {400: "validation", 413: "validation", 422: "validation", 429: "overloaded", 500: "generation"}
+
+
+def error_body(status: int, message: str, kind: str) -> dict:
+    """TGI's error shape, `{"error": ..., "error_type": ...}`, with TGI's kinds where TGI has one for the status
+    (validation, overloaded, generation) and the server's own otherwise (authentication_error, not_found, ...)."""
+    return {"error": message, "error_type": _KINDS.get(status, kind)}
+
+
 async def _answer(body: GenerateRequest, http: Request, stream: bool) -> Any:
     state = state_of(http)
     served = state.model_router.models[0]  # TGI's API names no model: the default one answers
-    params = body.parameters
+    params = body.streamed(stream).parameters
     budget = min(params.max_new_tokens or TGI_DEFAULT_NEW_TOKENS, state.settings.max_new_tokens)
     prompt = served.current.runtime.encode(body.inputs)
+    if params.truncate is not None:
+        prompt = prompt[-params.truncate :]  # TGI keeps the last `truncate` tokens of the input
     generation = start_generation(http, served, prompt, budget, params)
+    special = set(served.current.runtime.tokenizer.all_special_ids)
     if stream:
-        return sse(generation, _events(generation, params.seed), _error_event)
-    return await _whole(generation, body, http)
+        return sse(generation, _events(generation, params, special), _error_event)
+    return await _whole(generation, body, http, special)
 
 
 def _error_event(exc: RequestError) -> dict:
-    return {"error": str(exc), "error_type": exc.kind}
+    return error_body(exc.status, str(exc), exc.kind)
 
 
-async def _whole(generation: Generation, body: GenerateRequest, http: Request) -> dict:
-    tokens, finish = [], None
+async def _whole(generation: Generation, body: GenerateRequest, http: Request, special: set[int]) -> dict:
+    tokens, prefill, finish = [], [], None
+    tokenizer = generation.loaded.runtime.tokenizer
     async for event in generation.events(http.is_disconnected):
         if isinstance(event, Piece):
             tokens.append(event)
+        elif isinstance(event, PromptScores):
+            prefill = [
+                {"id": token, "text": tokenizer.decode([token]), "logprob": logprob}
+                for token, logprob, _ in event.entries
+            ]
         else:
             finish = event
-    text = "".join(piece.text for piece in tokens)
-    answer: dict[str, Any] = {
-        "generated_text": (body.inputs + text) if body.parameters.return_full_text else text
-    }
-    if body.parameters.details:
+    text = "".join(piece.text for piece in tokens) + finish.stop_text  # TGI keeps the stop sequence
+    params = body.parameters
+    answer: dict[str, Any] = {"generated_text": (body.inputs + text) if params.return_full_text else text}
+    if params.details:
+        generated = _with_tail(tokens, finish.stop_text)
         answer["details"] = {
-            **_details(finish, body.parameters.seed),
-            "prefill": [],
-            "tokens": [_token(piece) for piece in tokens if piece.token is not None],
+            **_details(finish, params.seed),
+            "prefill": prefill,
+            "tokens": [_token(piece, special, tokenizer) for piece in generated],
         }
+        if params.top_n_tokens:
+            answer["details"]["top_tokens"] = [_top(piece, special, tokenizer) for piece in generated]
     return answer
 
 
-async def _events(generation: Generation, seed: int | None) -> AsyncIterator[dict]:
+def _with_tail(pieces: list[Piece], stop_text: str) -> list[Piece]:
+    """The generated tokens, text released after the last one (and a kept stop sequence) joined to it."""
+    tokens = [Piece(p.text, p.token, p.logprob, p.top) for p in pieces if p.token is not None]
+    tail = "".join(p.text for p in pieces if p.token is None) + stop_text
+    if tokens and tail:
+        tokens[-1].text += tail
+    return tokens
+
+
+async def _events(generation: Generation, params: Any, special: set[int]) -> AsyncIterator[dict]:
     text, pending = [], None  # the last token is sent with the final event, which carries the whole text
+    tokenizer = generation.loaded.runtime.tokenizer
     async for event in generation.events():
         if isinstance(event, Piece):
             text.append(event.text)
@@ -80,25 +149,41 @@ async def _events(generation: Generation, seed: int | None) -> AsyncIterator[dic
                 pending.text += event.text
                 continue
             if pending is not None:
-                yield {
-                    "index": len(text) - 1,
-                    "token": _token(pending),
-                    "generated_text": None,
-                    "details": None,
-                }
-            pending = event
+                yield _stream_event(len(text) - 1, pending, special, tokenizer, params, None)
+            pending = Piece(event.text, event.token, event.logprob, event.top)
             continue
         final = pending or Piece("", generation.loaded.runtime.eos_token_id or 0, 0.0)
-        yield {
-            "index": len(text),
-            "token": _token(final),
-            "generated_text": "".join(text),
-            "details": _details(event, seed),
+        final.text += event.stop_text
+        done = {"generated_text": "".join(text) + event.stop_text, "details": _details(event, params.seed)}
+        yield _stream_event(len(text), final, special, tokenizer, params, done)
+
+
+def _stream_event(
+    index: int, piece: Piece, special: set[int], tokenizer: Any, params: Any, done: dict | None
+) -> dict:
+    event = {"index": index, "token": _token(piece, special, tokenizer)}
+    if params.top_n_tokens:
+        event["top_tokens"] = _top(piece, special, tokenizer)
+    return {**event, **(done or {"generated_text": None, "details": None})}
+
+
+def _token(piece: Piece, special: set[int], tokenizer: Any) -> dict:
+    """TGI's token: a special token (end of sequence) is marked and shows its own text, as TGI shows it."""
+    if piece.token in special:
+        return {
+            "id": piece.token,
+            "text": tokenizer.decode([piece.token]),
+            "logprob": piece.logprob,
+            "special": True,
         }
-
-
-def _token(piece: Piece) -> dict:
     return {"id": piece.token, "text": piece.text, "logprob": piece.logprob, "special": False}
+
+
+def _top(piece: Piece, special: set[int], tokenizer: Any) -> list[dict]:
+    return [
+        {"id": token, "text": tokenizer.decode([token]), "logprob": logprob, "special": token in special}
+        for token, logprob in piece.top or []
+    ]
 
 
 def _details(finish: Finish, seed: int | None) -> dict:
@@ -106,3 +191,12 @@ def _details(finish: Finish, seed: int | None) -> dict:
         "stop_sequence" if finish.stop_string else {"stop": "eos_token", "length": "length"}[finish.reason]
     )
     return {"finish_reason": reason, "generated_tokens": finish.completion_tokens, "seed": seed}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llmopt")
+    except PackageNotFoundError:
+        return "source"

@@ -75,6 +75,11 @@ class Runtime(abc.ABC):
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         """Per sequence: (sum of next-token negative log-likelihoods of tokens 1..n-1, n - 1)."""
 
+    def position_logits(self, ids: list[int]) -> Any:
+        """Float logits at every position of one sequence (numpy, length × vocabulary; row i predicts token i + 1),
+        from the forward pass `score` makes: what the server reports as a prompt's log-probabilities."""
+        raise NotImplementedError(f"{type(self).__name__} reports no per-position logits")
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = True
     ) -> list[list[int]]:

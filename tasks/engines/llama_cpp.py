@@ -103,9 +103,12 @@ class LlamaCppRuntime(Runtime):
             if len(ids) < 2:
                 results.append((0.0, 0))
                 continue
-            (logits,) = self.context(len(ids), 1).decode([(0, ids, 0, True)])
-            results.append(next_token_nll(logits, ids))
+            results.append(next_token_nll(self.position_logits(ids), ids))
         return results
+
+    def position_logits(self, ids: list[int]) -> Any:
+        (logits,) = self.context(len(ids), 1).decode([(0, ids, 0, True)])
+        return logits
 
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool

@@ -54,10 +54,10 @@ class OrtGenAIRuntime(Runtime):
         return generator
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
-        return [
-            next_token_nll(self._generator([ids], len(ids) + 1).get_output("logits")[0], ids)
-            for ids in sequences
-        ]
+        return [next_token_nll(self.position_logits(ids), ids) for ids in sequences]
+
+    def position_logits(self, ids: list[int]) -> Any:
+        return self._generator([ids], len(ids) + 1).get_output("logits")[0]
 
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool

@@ -82,6 +82,9 @@ class TorchRuntime(Runtime):
                 results.append((float(nll), len(ids) - 1))
         return results
 
+    def position_logits(self, ids: list[int]) -> Any:
+        return self.logits([ids])[0].numpy()
+
     def logits(self, sequences: list[list[int]]) -> Any:
         """Float32 logits at every position of equal-length `sequences` (batch × length × vocabulary, on the host):
         for tools that compare a variant's outputs with another's."""

@@ -151,3 +151,28 @@ def test_a_stop_string_ends_the_answer_before_it(url):
     stop = full[2:4]
     cut = httpx.post(f"{url}/v1/completions", json={**body, "stop": [stop]}, timeout=30).json()["choices"][0]
     assert cut["text"] == full[: full.index(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_an_evaluation_harness_loglikelihood_request_scores_as_the_pipeline_does(url, runtime):
+    """lm-evaluation-harness's request for a loglikelihood task (`echo`, `logprobs: 1`, `max_tokens: 0`): the
+    prompt's token log-probabilities sum to what the pipeline's evaluation (`Runtime.score`) computes through the
+    same engine, within 1e-4 (float32 logits summed in another order), and the top token says whether it is greedy."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    scored = client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    ids = runtime.encode(PROMPT)
+    nll, count = runtime.score([ids])[0]
+    assert choice.text == PROMPT and scored.usage.completion_tokens == 0
+    assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert sum(choice.logprobs.token_logprobs[1:]) == pytest.approx(-nll, abs=1e-4) and count == len(ids) - 1
+    for logprob, top in zip(
+        choice.logprobs.token_logprobs[1:], choice.logprobs.top_logprobs[1:], strict=True
+    ):
+        assert len(top) == 1 and max(top.values()) >= logprob - 1e-6
+    with_answer = client.completions.create(
+        model="tiny/3", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0, temperature=0
+    )
+    assert len(with_answer.choices[0].logprobs.token_logprobs) == len(ids) + 3
+    assert with_answer.choices[0].text.startswith(PROMPT)

@@ -182,8 +182,9 @@ def test_a_failure_in_a_handler_is_a_500_with_a_one_line_message_and_the_server_
 
 ONE_LINE = "generation failed: rank 1 lost its device"  # what a client is told of REMOTE_FAILURE
 OPENAI_ERROR = {"error": {"message": ONE_LINE, "type": "server_error", "code": 500}}
-# Per route: path, body, status, and the error as the route promises it: before an answer starts, a 500 with the
-# body every refusal has; once a stream has started, its last events, in the stream's own API shape.
+TGI_ERROR = {"error": ONE_LINE, "error_type": "generation"}
+# Per route: path, body, status, and the error as the route promises it, in its API's own shape: before an answer
+# starts, a 500; once a stream has started, its last events.
 ROUTES = {
     "openai": ("/v1/completions", {"prompt": PROMPT, "max_tokens": 8}, 500, OPENAI_ERROR),
     "openai-stream": (
@@ -192,12 +193,12 @@ ROUTES = {
         200,
         [OPENAI_ERROR, "[DONE]"],
     ),
-    "tgi": ("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}, 500, OPENAI_ERROR),
+    "tgi": ("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 8}}, 500, TGI_ERROR),
     "tgi-stream": (
         "/generate_stream",
         {"inputs": PROMPT, "parameters": {"max_new_tokens": 8}},
         200,
-        [{"error": ONE_LINE, "error_type": "server_error"}],
+        [TGI_ERROR],
     ),
 }
 

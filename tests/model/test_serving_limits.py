@@ -95,7 +95,7 @@ def test_each_refusal_names_its_cause_and_the_server_still_answers(onnx_runtime,
         assert missing.status_code == 404 and "served: tiny/3" in missing.json()["error"]["message"]
         still_answers()
         for bad in (
-            {"n": 2},
+            {"n": 9},
             {"bogus": 1},
             {"max_tokens": 0},
             {"prompt": ""},

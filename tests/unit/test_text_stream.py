@@ -74,3 +74,49 @@ def test_chat_on_a_model_without_a_chat_template_is_a_400_naming_the_alternative
     with pytest.raises(RequestError, match="no chat template; use /v1/completions") as error:
         chat_prompt(ByteTokenizer(), [{"role": "user", "content": "hi"}])
     assert error.value.status == 400
+
+
+def test_repetition_penalty_is_transformers_rule_and_openai_penalties_count_the_answer():
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from serving.scheduler import adjusted_logits
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=50).astype(np.float32)
+    prompt, generated = [3, 7, 7, 11], [11, 20, 20, 20]
+    ours = adjusted_logits(logits, Sampling(repetition_penalty=1.3), prompt, generated, frozenset())
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(
+        torch.tensor([prompt + generated]), torch.tensor(logits[None].copy())
+    )[0].numpy()
+    assert np.allclose(ours, theirs, atol=1e-6)
+    openai_rule = adjusted_logits(
+        logits, Sampling(frequency_penalty=0.5, presence_penalty=0.25), prompt, generated, frozenset()
+    )
+    expected = logits.astype(np.float64).copy()
+    expected[11] -= 0.5 * 1 + 0.25
+    expected[20] -= 0.5 * 3 + 0.25  # the prompt's tokens (3, 7) are not penalised by OpenAI's rule
+    assert np.allclose(openai_rule, expected)
+    assert adjusted_logits(logits, Sampling(), prompt, generated, frozenset({4})) is logits  # nothing applies
+
+
+def test_min_tokens_bars_the_stop_tokens_until_enough_were_generated():
+    from serving.scheduler import adjusted_logits
+
+    logits = np.array([0.0, 5.0, 1.0], dtype=np.float32)  # token 1 (the stop token) is the argmax
+    barred = adjusted_logits(logits, Sampling(min_tokens=2), [0], [2], frozenset({1}))
+    assert choose_token(barred, Sampling(), np.random.default_rng(0)) == 2
+    allowed = adjusted_logits(logits, Sampling(min_tokens=2), [0], [2, 2], frozenset({1}))
+    assert choose_token(allowed, Sampling(), np.random.default_rng(0)) == 1
+
+
+def test_typical_p_draws_only_from_the_set_transformers_typical_warper_keeps():
+    import torch
+    from transformers import TypicalLogitsWarper
+
+    logits = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05]))
+    warped = TypicalLogitsWarper(mass=0.6)(torch.zeros(1, 1, dtype=torch.long), torch.tensor(logits[None]))
+    kept = {int(i) for i in torch.nonzero(torch.isfinite(warped[0])).flatten()}
+    rng = np.random.default_rng(0)
+    draws = {choose_token(logits, Sampling(temperature=1.0, typical_p=0.6), rng) for _ in range(300)}
+    assert draws == kept and len(kept) < len(logits)
