@@ -1,6 +1,9 @@
-"""`llmopt loadtest`: drive a running server at several concurrency levels with a fixed, seeded set of requests
-(prompts of varied length, varied max_tokens, greedy, streamed) and report what its clients get: requests/s,
-aggregate generated tok/s, time to first token and end-to-end latency percentiles."""
+"""`llmopt loadtest`: drive a running server with a fixed, seeded set of requests (prompts of varied length, varied
+max_tokens, greedy, streamed) at several concurrency levels (closed loop: each client sends its next request when
+one ends) and at request rates (open loop: Poisson arrivals, as real traffic comes), and report what its clients
+get: requests/s, aggregate generated tok/s, time to first token, time per output token, inter-token latency and
+end-to-end percentiles; with an SLO, goodput (requests/s that met it) and a search for the highest rate that
+meets it."""
 
 from __future__ import annotations
 
@@ -8,11 +11,12 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
 import numpy as np
 
-from tasks.config import LoadtestConfig
+from tasks.config import LoadtestConfig, SloConfig
 
 
 @dataclass(frozen=True)
@@ -27,11 +31,25 @@ class Outcome:
     ttft_s: float  # until the first streamed token (nan when none came)
     total_s: float
     tokens: int
+    token_times: tuple[float, ...] = ()  # when each chunk carrying text arrived, from the request's start
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first (nan with fewer than two tokens)."""
+        return (self.total_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else float("nan")
+
+    def meets(self, slo: SloConfig | None) -> bool:
+        """Answered, and within the SLO's time to first token and time per output token (each where set)."""
+        if self.status != 200 or slo is None:
+            return self.status == 200
+        ttft_ok = slo.ttft_p95_ms is None or self.ttft_s * 1000 <= slo.ttft_p95_ms
+        tpot_ok = slo.tpot_p95_ms is None or not self.tpot_s * 1000 > slo.tpot_p95_ms  # nan (one token) meets
+        return ttft_ok and tpot_ok
 
 
 @dataclass(frozen=True)
 class LevelResult:
-    concurrency: int
+    concurrency: int  # clients (closed loop); 0 in rate mode
     requests: int
     errors: int
     wall_s: float
@@ -43,6 +61,24 @@ class LevelResult:
     e2e_p95_ms: float
     decode_tok_s: float  # the server's decode phase alone: tokens from batched steps per second inside them
     prefill_share: float  # of the wall time, the part the engine spent running prompts (a step waits for it)
+    rate_rps: float = float("nan")  # the offered request rate (rate mode); nan for concurrency levels
+    tpot_p50_ms: float = float("nan")  # time per output token after the first, per request
+    tpot_p95_ms: float = float("nan")
+    itl_p50_ms: float = float("nan")  # gaps between successive streamed chunks, over all requests
+    itl_p95_ms: float = float("nan")
+    goodput_rps: float = float("nan")  # requests/s that met the SLO (nan: no SLO set)
+
+    @property
+    def load(self) -> str:
+        if self.rate_rps == self.rate_rps:
+            return f"{self.rate_rps:.3g} req/s"
+        return f"{self.concurrency} client{'s' if self.concurrency != 1 else ''}"
+
+    def meets(self, slo: SloConfig) -> bool:
+        """No errors, and p95 time to first token and time per output token within the SLO."""
+        ttft = slo.ttft_p95_ms is None or self.ttft_p95_ms <= slo.ttft_p95_ms
+        tpot = slo.tpot_p95_ms is None or not self.tpot_p95_ms > slo.tpot_p95_ms
+        return self.errors == 0 and ttft and tpot
 
 
 def request_set(passages: list[str], cfg: LoadtestConfig, server_cap: int) -> list[LoadRequest]:
@@ -67,7 +103,7 @@ async def _one(client: httpx.AsyncClient, model: str | None, request: LoadReques
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    started, first, tokens = time.perf_counter(), float("nan"), 0
+    started, first, tokens, times = time.perf_counter(), float("nan"), 0, []
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -81,12 +117,14 @@ async def _one(client: httpx.AsyncClient, model: str | None, request: LoadReques
                     return Outcome(
                         chunk["error"].get("code", 500), first, time.perf_counter() - started, tokens
                     )
+                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                    times.append(time.perf_counter() - started)
                 if chunk.get("choices") and first != first:  # nan: the first chunk carrying a token
                     first = time.perf_counter() - started
                 tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     except httpx.HTTPError:  # a dropped connection counts as a failed request, not the end of the test
         return Outcome(0, first, time.perf_counter() - started, 0)
-    return Outcome(200, first, time.perf_counter() - started, tokens)
+    return Outcome(200, first, time.perf_counter() - started, tokens, tuple(times))
 
 
 async def run_level(
@@ -108,6 +146,23 @@ async def run_level(
         return outcomes, time.perf_counter() - started
 
 
+async def run_rate(
+    url: str, model: str | None, requests: list[LoadRequest], rate: float, api_key: str | None, seed: int
+) -> tuple[list[Outcome], float]:
+    """Send `requests` at Poisson arrivals of `rate` per second (seeded), however many are in flight: an open
+    loop, so a server slower than the rate shows as growing latency, not as fewer requests."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(requests)))
+    limits = httpx.Limits(max_connections=len(requests))
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
+        started, sent = time.perf_counter(), []
+        for request, at in zip(requests, arrivals, strict=True):
+            await asyncio.sleep(max(0.0, started + float(at) - time.perf_counter()))
+            sent.append(asyncio.create_task(_one(client, model, request)))
+        outcomes = list(await asyncio.gather(*sent))
+        return outcomes, time.perf_counter() - started
+
+
 def engine_counters(url: str) -> dict[str, float]:
     """The server's cumulative engine counters from /metrics: decoded tokens and seconds per phase."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -123,11 +178,21 @@ def engine_counters(url: str) -> dict[str, float]:
 
 
 def summarize(
-    concurrency: int, outcomes: list[Outcome], wall_s: float, engine: dict[str, float] | None = None
+    concurrency: int,
+    outcomes: list[Outcome],
+    wall_s: float,
+    engine: dict[str, float] | None = None,
+    rate: float = float("nan"),
+    slo: SloConfig | None = None,
 ) -> LevelResult:
     ok = [o for o in outcomes if o.status == 200]
     ttft = np.array([o.ttft_s for o in ok if o.ttft_s == o.ttft_s]) * 1000
     e2e = np.array([o.total_s for o in ok]) * 1000
+    tpot = np.array([o.tpot_s for o in ok if o.tpot_s == o.tpot_s]) * 1000
+    itl = (
+        np.concatenate([np.diff(o.token_times) for o in ok if len(o.token_times) > 1] or [np.array([])])
+        * 1000
+    )
 
     def pct(values: np.ndarray, q: float) -> float:
         return float(np.percentile(values, q)) if len(values) else float("nan")
@@ -147,22 +212,81 @@ def summarize(
         if engine and engine["decode_s"]
         else float("nan"),
         prefill_share=engine["prefill_s"] / wall_s if engine else float("nan"),
+        rate_rps=rate,
+        tpot_p50_ms=pct(tpot, 50),
+        tpot_p95_ms=pct(tpot, 95),
+        itl_p50_ms=pct(itl, 50),
+        itl_p95_ms=pct(itl, 95),
+        goodput_rps=sum(o.meets(slo) for o in outcomes) / wall_s if slo else float("nan"),
     )
 
 
 def load_test(
-    url: str, model: str | None, requests: list[LoadRequest], levels: list[int], api_key: str | None
+    url: str,
+    model: str | None,
+    requests: list[LoadRequest],
+    levels: list[int],
+    api_key: str | None,
+    rates: list[float] = (),
+    slo: SloConfig | None = None,
+    seed: int = 0,
 ) -> list[LevelResult]:
-    """Every level in turn, after one warm-up request (the server's first request pays for allocations)."""
+    """Every concurrency level, then every request rate, in turn, after one warm-up request (the server's first
+    request pays for allocations)."""
     asyncio.run(run_level(url, model, requests[:1], 1, api_key))
     results = []
     for concurrency in levels:
-        before = engine_counters(url)
-        outcomes, wall = asyncio.run(run_level(url, model, requests, concurrency, api_key))
-        after = engine_counters(url)
-        engine = {key: after[key] - before[key] for key in after}
-        results.append(summarize(concurrency, outcomes, wall, engine))
+        results.append(
+            _measured(
+                url, lambda c=concurrency: run_level(url, model, requests, c, api_key), concurrency, slo=slo
+            )
+        )
+    for rate in rates:
+        results.append(
+            _measured(url, lambda r=rate: run_rate(url, model, requests, r, api_key, seed), 0, rate, slo)
+        )
     return results
+
+
+def _measured(
+    url: str, drive: Any, concurrency: int, rate: float = float("nan"), slo: SloConfig | None = None
+) -> LevelResult:
+    before = engine_counters(url)
+    outcomes, wall = asyncio.run(drive())
+    after = engine_counters(url)
+    engine = {key: after[key] - before[key] for key in after}
+    return summarize(concurrency, outcomes, wall, engine, rate, slo)
+
+
+def search_rate(
+    url: str,
+    model: str | None,
+    requests: list[LoadRequest],
+    api_key: str | None,
+    slo: SloConfig,
+    start_rps: float,
+    trials: int,
+    seed: int = 0,
+    report: Any = None,
+) -> tuple[LevelResult | None, list[LevelResult]]:
+    """The highest request rate whose p95 TTFT and TPOT meet `slo` with no errors: the rate doubles from
+    `start_rps` until a trial misses, then halves the gap between the best rate that met it and the lowest that
+    did not, for `trials` trials in all. Returns (the best trial or None if even the lowest missed, every trial)."""
+    met: LevelResult | None = None
+    missed: float | None = None
+    rate, tried = start_rps, []
+    for _ in range(trials):
+        result = _measured(url, lambda r=rate: run_rate(url, model, requests, r, api_key, seed), 0, rate, slo)
+        tried.append(result)
+        if report:
+            report(result, result.meets(slo))
+        if result.meets(slo):
+            met = result if met is None or rate > met.rate_rps else met
+        else:
+            missed = rate if missed is None else min(missed, rate)
+        low = met.rate_rps if met else 0.0
+        rate = rate * 2 if missed is None else (low + missed) / 2 if met else rate / 2
+    return met, tried
 
 
 def served_model(url: str, model: str | None, api_key: str | None) -> dict:
@@ -206,6 +330,7 @@ def log_load_test(
     results: list[LevelResult],
     ceiling: tuple[int, float] | None,
     settings: dict,
+    best: LevelResult | None = None,
 ) -> str:
     """One MLflow run per load test, tagged with the model version it drove; the version gets a tag pointing
     back at it. Returns the run id."""
@@ -227,11 +352,14 @@ def log_load_test(
         mlflow.log_params(settings)
         for result in results:
             fields = asdict(result)
-            prefix = f"c{fields.pop('concurrency')}"
+            concurrency, rate = fields.pop("concurrency"), fields.pop("rate_rps")
+            prefix = f"r{rate:g}" if rate == rate else f"c{concurrency}"
             mlflow.log_metrics(
                 {f"{prefix}.{k}": float(v) for k, v in fields.items() if v == v}
             )  # nan: not measured
         if ceiling:
             mlflow.log_metric(f"offline_decode_tok_s_bs{ceiling[0]}", ceiling[1])
+        if best is not None:
+            mlflow.log_metrics({"slo.max_rate_rps": best.rate_rps, "slo.goodput_rps": best.goodput_rps})
     MlflowClient().set_model_version_tag(registered, version, "llmopt.loadtest_run", run.info.run_id)
     return run.info.run_id

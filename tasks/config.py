@@ -331,10 +331,29 @@ class ServeConfig(Strict):
     max_body_kb: Annotated[int, Field(ge=1, le=102_400)] = 1024  # larger request bodies get 413
 
 
+class SloConfig(Strict):
+    """A service-level objective for `llmopt loadtest`: p95 time to first token and p95 time per output token
+    (after the first), each in ms; at least one."""
+
+    ttft_p95_ms: Annotated[float, Field(gt=0)] | None = None
+    tpot_p95_ms: Annotated[float, Field(gt=0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> SloConfig:
+        if self.ttft_p95_ms is None and self.tpot_p95_ms is None:
+            raise ValueError("set ttft_p95_ms, tpot_p95_ms or both (or leave slo out)")
+        return self
+
+
 class LoadtestConfig(Strict):
-    """`llmopt loadtest`: the request set and concurrency levels it drives a running server with."""
+    """`llmopt loadtest`: the request set, the concurrency levels (closed loop) and request rates (open loop,
+    Poisson arrivals) it drives a running server with, and an optional SLO: goodput at each level, and a search
+    for the highest rate that meets it (`search_trials` trials, from the 1-client rate, or 1 req/s)."""
 
     concurrency: Annotated[list[Annotated[int, Field(ge=1, le=1024)]], Field(min_length=1)] = [1, 4, 16]
+    rates: list[Annotated[float, Field(gt=0, le=10_000)]] = []
+    slo: SloConfig | None = None
+    search_trials: Annotated[int, Field(ge=0, le=20)] = 6
     requests_per_level: Annotated[int, Field(ge=1, le=100_000)] = 48
     seed: int = 0
     prompt_words: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [8, 160]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -28,42 +29,67 @@ def print_outcome(outcome, last_line: bool = True) -> None:
         console.print(outcome.summary(), soft_wrap=True, highlight=False)
 
 
-def print_load_test(results: list, ceiling: tuple[int, float] | None) -> None:
+def print_load_test(
+    results: list, ceiling: tuple[int, float] | None, slo: Any = None, best: Any = None
+) -> None:
     table = Table(title="Load test (greedy, streamed; latencies in ms)")
-    columns = (
-        "clients",
+    columns = [
+        "load",
         "req/s",
         "tok/s",
         "TTFT p50",
         "TTFT p95",
-        "e2e p50",
+        "TPOT p50",
+        "TPOT p95",
+        "ITL p95",
         "e2e p95",
         "decode tok/s",
         "prefill",
         "errors",
-    )
+    ]
+    if slo:
+        columns.insert(2, "goodput")
     for column in columns:
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(
-            str(r.concurrency),
+        row = [
+            r.load,
             f"{r.requests_s:.2f}",
             f"{r.tok_s:.0f}",
             f"{r.ttft_p50_ms:.0f}",
             f"{r.ttft_p95_ms:.0f}",
-            f"{r.e2e_p50_ms:.0f}",
+            f"{r.tpot_p50_ms:.0f}",
+            f"{r.tpot_p95_ms:.0f}",
+            f"{r.itl_p95_ms:.0f}",
             f"{r.e2e_p95_ms:.0f}",
             f"{r.decode_tok_s:.0f}",
             f"{r.prefill_share:.0%}",
             str(r.errors),
-        )
-    Console(width=None if sys.stdout.isatty() else 130).print(table)  # piped: do not squeeze to 80
+        ]
+        if slo:
+            row.insert(2, f"{r.goodput_rps:.2f}")
+        table.add_row(*row)
+    Console(width=None if sys.stdout.isatty() else 150).print(table)  # piped: do not squeeze to 80
     console.print(
-        "tok/s: generated tokens of all requests per second; decode tok/s: the same inside batched decode steps "
-        "only; prefill: share of the time the engine spent on prompts (every running request waits for it)."
+        "load: clients sending back to back, or req/s offered with Poisson arrivals; tok/s: generated tokens of all "
+        "requests per second; TPOT: time per output token after the first; ITL: gap between streamed chunks; "
+        "decode tok/s: the same inside batched decode steps only; prefill: share of the time the engine spent on "
+        "prompts (every running request waits for it)."
     )
-    if ceiling:
-        top = results[-1]
+    if slo:
+        bounds = ", ".join(
+            f"{name} ≤ {value:g} ms"
+            for name, value in (("TTFT p95", slo.ttft_p95_ms), ("TPOT p95", slo.tpot_p95_ms))
+            if value is not None
+        )
+        if best is not None:
+            console.print(
+                f"SLO ({bounds}): met up to {best.rate_rps:.3g} req/s offered, goodput {best.goodput_rps:.2f} req/s"
+            )
+        else:
+            console.print(f"SLO ({bounds}): no rate tried met it; goodput per level is in the table")
+    top = max((r for r in results if r.concurrency), key=lambda r: r.concurrency, default=None)
+    if ceiling and top is not None:
         console.print(
             f"offline ceiling (pipeline benchmark, decode only, batch {ceiling[0]}): {ceiling[1]:.0f} tok/s; at "
             f"{top.concurrency} clients the server decodes at {top.decode_tok_s / ceiling[1]:.0%} of it and "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -57,15 +57,30 @@ def loadtest(
     requests: Annotated[
         int | None, typer.Option(help="Requests per level (default: loadtest.requests_per_level).")
     ] = None,
+    rates: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated request rates in req/s, Poisson arrivals, e.g. 0.5,1,2 (default: loadtest.rates)."
+        ),
+    ] = None,
     debug: DebugOption = False,
 ) -> None:
-    """Drive a running `llmopt serve` at each concurrency level with the same seeded requests (evaluation-split
-    prompts of varied length, varied max_tokens, greedy, streamed); print requests/s, aggregate tok/s, TTFT and
-    end-to-end p50/p95, and log them to MLflow beside the model version served, with the engine's offline batch
-    throughput from the pipeline's benchmark as the reference ceiling."""
+    """Drive a running `llmopt serve` at each concurrency level (closed loop) and request rate (open loop, Poisson
+    arrivals) with the same seeded requests (evaluation-split prompts of varied length, varied max_tokens, greedy,
+    streamed); print requests/s, aggregate tok/s, TTFT, time per output token, inter-token latency and end-to-end
+    p50/p95, and log them to MLflow beside the model version served, with the engine's offline batch throughput
+    from the pipeline's benchmark as the reference ceiling. With `loadtest.slo`, each level's goodput (requests/s
+    that met the SLO) and a search for the highest request rate that meets it."""
     with CommandSession(debug) as session:
         config, root = session.setup(params)
-        from serving.loadtest import load_test, log_load_test, offline_ceiling, request_set, served_model
+        from serving.loadtest import (
+            load_test,
+            log_load_test,
+            offline_ceiling,
+            request_set,
+            search_rate,
+            served_model,
+        )
         from tasks.inputs.data import read_split
         from tasks.report.tracking import configure_tracking
 
@@ -73,6 +88,7 @@ def loadtest(
             update={k: v for k, v in {"requests_per_level": requests}.items() if v is not None}
         )
         levels = _levels(concurrency) if concurrency else cfg.concurrency
+        offered = _rates(rates) if rates else cfg.rates
         base = url or f"http://{config.serve.host}:{config.serve.port}"
         api_key = os.environ.get(config.serve.api_key_env) or None
         entry = served_model(base, model, api_key)
@@ -85,13 +101,37 @@ def loadtest(
         console.print(
             f"load test: {entry['served_id']} ({entry['variant']}) at {base}, levels {levels}, {len(batch)} requests each"
         )
-        results = load_test(base, entry["id"], batch, levels, api_key)
+        results = load_test(base, entry["id"], batch, levels, api_key, offered, cfg.slo, cfg.seed)
+        best = None
+        if cfg.slo and cfg.search_trials:
+            one_client = [r.requests_s for r in results if r.concurrency == 1 and r.requests_s > 0]
+            start = one_client[0] if one_client else 1.0
+            console.print(
+                f"searching the highest rate meeting the SLO, from {start:.2g} req/s ({cfg.search_trials} trials)"
+            )
+
+            def report(result: Any, met: bool) -> None:
+                verdict = "meets" if met else "misses"
+                console.print(
+                    f"  {result.rate_rps:.3g} req/s: TTFT p95 {result.ttft_p95_ms:.0f} ms, TPOT p95 "
+                    f"{result.tpot_p95_ms:.0f} ms, {result.errors} errors: {verdict} the SLO"
+                )
+
+            best, trials = search_rate(
+                base, entry["id"], batch, api_key, cfg.slo, start, cfg.search_trials, cfg.seed, report
+            )
+            results = results + sorted(trials, key=lambda r: r.rate_rps)
         configure_tracking(config.tracking, root)
         registered, _, version = entry["served_id"].rpartition("/")
         ceiling = offline_ceiling(registered, version)
-        settings = {"url": base, "levels": levels, **cfg.model_dump(exclude={"concurrency"})}
-        run_id = log_load_test(config.tracking.experiment, entry, results, ceiling, settings)
-        print_load_test(results, ceiling)
+        settings = {
+            "url": base,
+            "levels": levels,
+            "rates": offered,
+            **cfg.model_dump(exclude={"concurrency", "rates"}),
+        }
+        run_id = log_load_test(config.tracking.experiment, entry, results, ceiling, settings, best)
+        print_load_test(results, ceiling, cfg.slo, best)
         console.print(f"logged to MLflow run {run_id} (tag llmopt.loadtest_run on {registered} v{version})")
 
 
@@ -103,3 +143,13 @@ def _levels(text: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise ConfigError(f"--concurrency: comma-separated positive integers, got {text!r}")
     return levels
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--rates: comma-separated positive numbers (req/s), got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise ConfigError(f"--rates: comma-separated positive numbers (req/s), got {text!r}")
+    return rates
