@@ -331,6 +331,7 @@ def log_load_test(
     ceiling: tuple[int, float] | None,
     settings: dict,
     best: LevelResult | None = None,
+    searched: tuple[LevelResult, ...] | list[LevelResult] = (),
 ) -> str:
     """One MLflow run per load test, tagged with the model version it drove; the version gets a tag pointing
     back at it. Returns the run id."""
@@ -338,6 +339,7 @@ def log_load_test(
     from mlflow import MlflowClient
 
     registered, _, version = entry["served_id"].rpartition("/")
+    trial = {id(result): number for number, result in enumerate(searched, 1)}
     mlflow.set_experiment(experiment)
     with mlflow.start_run(run_name=f"loadtest {entry['served_id']}") as run:
         mlflow.set_tags(
@@ -354,6 +356,9 @@ def log_load_test(
             fields = asdict(result)
             concurrency, rate = fields.pop("concurrency"), fields.pop("rate_rps")
             prefix = f"r{rate:g}" if rate == rate else f"c{concurrency}"
+            if id(result) in trial:  # the SLO search's trials: keys of their own, beside the rates asked for
+                prefix = f"s{trial[id(result)]}"
+                mlflow.log_metric(f"{prefix}.rate_rps", rate)
             mlflow.log_metrics(
                 {f"{prefix}.{k}": float(v) for k, v in fields.items() if v == v}
             )  # nan: not measured

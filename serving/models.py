@@ -29,10 +29,12 @@ class Limits:
 
     max_batch: int
     max_queue: int
+    prefill_chunk: int = 0
+    prefix_reuse: bool = True
 
     @classmethod
     def of(cls, settings: ServeConfig) -> Limits:
-        return cls(settings.max_batch, settings.max_queue)
+        return cls(settings.max_batch, settings.max_queue, settings.prefill_chunk, settings.prefix_reuse)
 
 
 @dataclass(eq=False)
@@ -112,7 +114,9 @@ def serve_runtime(
 ) -> ServedModel:
     """A runtime already in memory, served as `name/version` (never swapped), e.g. by tests."""
     limits = Limits.of(settings)
-    scheduler = Scheduler(runtime, limits.max_batch, limits.max_queue, metrics)
+    scheduler = Scheduler(
+        runtime, limits.max_batch, limits.max_queue, metrics, limits.prefill_chunk, limits.prefix_reuse
+    )
     return ServedModel(name, None, LoadedModel(version, runtime, scheduler))
 
 
@@ -137,7 +141,9 @@ def load_version(
         scratch.cleanup()
         raise
     runtime.generate([runtime.encode("warm up")], 1)  # the first call pays for allocation, not a client
-    scheduler = Scheduler(runtime, limits.max_batch, limits.max_queue, metrics)
+    scheduler = Scheduler(
+        runtime, limits.max_batch, limits.max_queue, metrics, limits.prefill_chunk, limits.prefix_reuse
+    )
     return LoadedModel(version, runtime, scheduler, keep=scratch)
 
 

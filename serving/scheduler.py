@@ -36,6 +36,8 @@ class Sampling:
     typical_p: float = 1.0  # locally typical sampling (TGI's typical_p); 1: off
     repetition_penalty: float = 1.0  # transformers'/TGI's: logits of tokens seen (prompt included) /p or *p
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token was generated
+    # TGI's frequency penalty instead: minus it times each token's share of the whole sequence (prompt included)
+    frequency_share: bool = False
     presence_penalty: float = 0.0  # OpenAI's: minus this once a token was generated
     min_tokens: int = 0  # stop tokens are not chosen before this many tokens
     top_logprobs: int = 0  # the n most likely tokens' log-probabilities sent with each token
@@ -61,7 +63,11 @@ def adjusted_logits(
         out[seen] = np.where(
             values > 0, values / sampling.repetition_penalty, values * sampling.repetition_penalty
         )
-    if generated and (sampling.frequency_penalty or sampling.presence_penalty):
+    if sampling.frequency_share and sampling.frequency_penalty:
+        sequence = prompt + generated
+        ids, counts = np.unique(np.asarray(sequence, dtype=np.int64), return_counts=True)
+        out[ids] -= sampling.frequency_penalty * counts / len(sequence)
+    elif generated and (sampling.frequency_penalty or sampling.presence_penalty):
         ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         out[ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
     if floor:
@@ -127,6 +133,15 @@ class GenerationRequest:
 
 
 @dataclass(eq=False)
+class _Filling:
+    """A request whose prompt joins in slices (chunked prefill): `fed` of its tokens are in the cache."""
+
+    request: GenerationRequest
+    sequence: int
+    fed: int = 0
+
+
+@dataclass(eq=False)
 class _Running:
     request: GenerationRequest
     rng: np.random.Generator
@@ -138,8 +153,18 @@ class _Running:
 class Scheduler:
     """The queue and the worker thread of one loaded model (started on construction, stopped by `close`)."""
 
-    def __init__(self, runtime: Runtime, max_batch: int, max_queue: int, metrics: Any = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        max_batch: int,
+        max_queue: int,
+        metrics: Any = None,
+        prefill_chunk: int = 0,
+        prefix_reuse: bool = True,
+    ) -> None:
         self.runtime, self.max_batch, self.max_queue = runtime, max_batch, max_queue
+        self.prefill_chunk = prefill_chunk  # 0: prompts run whole (see serve.prefill_chunk)
+        self.prefix_reuse = prefix_reuse  # for decoders that can (see serve.prefix_reuse)
         self.metrics = metrics  # serving.metrics.ServerMetrics, or None (tests of the scheduler alone)
         self.steps = 0  # engine calls so far (prompts run alone + batched steps)
         self.in_flight = 0  # requests submitted and not yet ended (queued, joining or running)
@@ -196,34 +221,111 @@ class Scheduler:
             for request in orphans:
                 self._end(request, ("error", f"the model's worker stopped: {_first_line(exc)}"))
 
-    def _serve(self, running: dict[int, _Running]) -> None:
+    def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()
+        decoder.reuse_prefixes = self.prefix_reuse
+        return decoder
+
+    def _serve(self, running: dict[int, _Running]) -> None:
+        decoder = self._decoder()
+        filling: list[_Filling] = []  # prompts joining in slices, first come first fed
         while True:
             with self._wake:
-                while not self._queue and not running and not self._closed:
+                while not self._queue and not running and not filling and not self._closed:
                     self._wake.wait()
-                if self._closed and not self._queue and not running:
+                if self._closed and not self._queue and not running and not filling:
                     return
-                joining = [
-                    self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch - len(running)))
-                ]
+                room = self.max_batch - len(running) - len(filling)
+                joining = [self._queue.popleft() for _ in range(min(len(self._queue), room))]
                 self._wake.notify_all()  # the queue changed (see `wait_for`)
             calls = decoder.steps
             for request in joining:
-                self._admit(decoder, running, request)
+                if self._chunked(decoder, request):
+                    self._open(decoder, filling, request)
+                else:
+                    self._admit(decoder, running, request)
             try:
-                if running:
+                if filling:
+                    self._step_filling(decoder, running, filling)
+                elif running:
                     self._step(decoder, running)
             except Exception as exc:  # a failed step ends the requests it carried, never the worker
                 log.exception("engine step failed")
-                for item in running.values():
-                    self._end(item.request, ("error", f"generation failed: {_first_line(exc)}"))
+                for request in [*(item.request for item in running.values()), *(f.request for f in filling)]:
+                    self._end(request, ("error", f"generation failed: {_first_line(exc)}"))
                 running.clear()
+                filling.clear()
             self.steps += decoder.steps - calls
             if self.metrics:
                 self.metrics.engine_calls(decoder.steps - calls)
-            if not running and decoder.active:  # a failed step may have left sequences behind
-                decoder = self.runtime.batch_decoder()
+            if not running and not filling and decoder.active:  # a failed step may have left sequences behind
+                decoder = self._decoder()
+
+    def _chunked(self, decoder: Any, request: GenerationRequest) -> bool:
+        """Whether `request`'s prompt joins in slices: chunking on, an engine that fuses them into steps, a prompt
+        longer than one slice, and a request that generates (scoring requests run their prompt whole)."""
+        return (
+            bool(self.prefill_chunk)
+            and decoder.chunked_prefill
+            and len(request.prompt) > self.prefill_chunk
+            and request.max_tokens > 0
+            and not request.prompt_logprobs
+        )
+
+    def _open(self, decoder: Any, filling: list[_Filling], request: GenerationRequest) -> None:
+        if request.cancelled.is_set():
+            self._end(request, ("done", "cancelled"))
+            return
+        if self.metrics:
+            self.metrics.queue_wait(time.monotonic() - request.queued_at)
+        try:
+            sequence, held = decoder.open(request.prompt)
+            filling.append(_Filling(request, sequence, held))
+        except Exception as exc:
+            log.exception("a request failed joining")
+            self._end(request, ("error", f"generation failed: {_first_line(exc)}"))
+
+    def _step_filling(self, decoder: Any, running: dict[int, _Running], filling: list[_Filling]) -> None:
+        """One engine call: every running sequence's next token and the next slice of the first joining prompt.
+        Its last slice gives the joining request its first token; from then on it runs with the others."""
+        for item in [f for f in filling if f.request.cancelled.is_set()]:
+            decoder.remove(item.sequence)
+            filling.remove(item)
+            self._end(item.request, ("done", "cancelled"))
+        for sequence in [s for s, item in running.items() if item.request.cancelled.is_set()]:
+            decoder.remove(sequence)
+            self._end(running.pop(sequence).request, ("done", "cancelled"))
+        if not filling:
+            if running:
+                self._step(decoder, running)
+            return
+        head = filling[0]
+        prompt = head.request.prompt
+        chunk = prompt[head.fed : head.fed + self.prefill_chunk]
+        last = head.fed + len(chunk) == len(prompt)
+        started = time.perf_counter()
+        stepped, logits = decoder.step_with_prefill(
+            {s: item.last for s, item in running.items()}, head.sequence, chunk, last
+        )
+        if self.metrics:
+            self.metrics.engine_seconds("decode" if running else "prefill", time.perf_counter() - started)
+            if running:
+                self.metrics.batch(len(running))
+        head.fed += len(chunk)
+        for sequence, row in stepped.items():
+            try:
+                self._emit(decoder, running, sequence, row)
+            except Exception as exc:
+                log.exception("a request failed choosing its token")
+                self._drop(decoder, running, sequence, running[sequence].request, exc)
+        if last:
+            filling.pop(0)
+            running[head.sequence] = _Running(head.request, np.random.default_rng(head.request.sampling.seed))
+            try:
+                self._emit(decoder, running, head.sequence, logits)
+            except Exception as exc:
+                log.exception("a request failed choosing its token")
+                self._drop(decoder, running, head.sequence, head.request, exc)
 
     def _admit(self, decoder: Any, running: dict[int, _Running], request: GenerationRequest) -> None:
         """Run a newcomer's prompt and pick its first token; a failure ends this request only."""
@@ -329,20 +431,38 @@ def _logprob(logits: np.ndarray, token: int) -> float:
 
 
 def _top_logprobs(logits: np.ndarray, n: int) -> list[tuple[int, float]]:
-    """The `n` most likely tokens and their log-probabilities under the model (ties to the lowest id)."""
+    """The `n` most likely tokens and their log-probabilities under the model, most likely first (a partial
+    sort: the worker thread does this for every token of every request that asks)."""
     peak = logits.max()
     total = peak + np.log(np.exp(logits - peak).sum())
-    best = np.argsort(-logits, kind="stable")[:n]
+    best = _best(logits, n)
     return [(int(token), float(logits[token] - total)) for token in best]
+
+
+def _best(logits: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the `n` largest values of a 1-d array, largest first (ties: lower index first)."""
+    n = min(n, len(logits))
+    head = np.argpartition(-logits, n - 1)[:n] if n < len(logits) else np.arange(len(logits))
+    return head[np.lexsort((head, -logits[head]))]
 
 
 def prompt_scores(
     logits: np.ndarray, prompt: list[int], top: int
 ) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
     """Each prompt token with its log-probability given the tokens before it (None for the first, which has no
-    context) and, when asked, the `top` most likely tokens at its position."""
+    context) and, when asked, the `top` most likely tokens at its position; one matrix pass over the rows."""
+    rows = np.asarray(logits[: len(prompt) - 1], dtype=np.float64)
+    peak = rows.max(axis=-1, keepdims=True)
+    log_probs = rows - (peak + np.log(np.exp(rows - peak).sum(axis=-1, keepdims=True)))
+    targets = np.asarray(prompt[1:], dtype=np.int64)
+    chosen = log_probs[np.arange(len(targets)), targets]
     scores: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(prompt[0], None, None)]
+    argmax = log_probs.argmax(axis=-1) if top == 1 else None  # what harnesses ask (is the text greedy?)
     for position, token in enumerate(prompt[1:]):
-        row = np.asarray(logits[position], dtype=np.float64)
-        scores.append((token, _logprob(row, token), _top_logprobs(row, top) if top else None))
+        if top:
+            best = argmax[position : position + 1] if argmax is not None else _best(log_probs[position], top)
+            head = [(int(t), float(log_probs[position, t])) for t in best]
+        else:
+            head = None
+        scores.append((token, float(chosen[position]), head))
     return scores

@@ -102,7 +102,7 @@ def loadtest(
             f"load test: {entry['served_id']} ({entry['variant']}) at {base}, levels {levels}, {len(batch)} requests each"
         )
         results = load_test(base, entry["id"], batch, levels, api_key, offered, cfg.slo, cfg.seed)
-        best = None
+        best, trials = None, []
         if cfg.slo and cfg.search_trials:
             one_client = [r.requests_s for r in results if r.concurrency == 1 and r.requests_s > 0]
             start = one_client[0] if one_client else 1.0
@@ -130,7 +130,7 @@ def loadtest(
             "rates": offered,
             **cfg.model_dump(exclude={"concurrency", "rates"}),
         }
-        run_id = log_load_test(config.tracking.experiment, entry, results, ceiling, settings, best)
+        run_id = log_load_test(config.tracking.experiment, entry, results, ceiling, settings, best, trials)
         print_load_test(results, ceiling, cfg.slo, best)
         console.print(f"logged to MLflow run {run_id} (tag llmopt.loadtest_run on {registered} v{version})")
 

@@ -81,6 +81,13 @@ def _start(
 ) -> list[Choice]:
     """`n` choices per prompt, queued together (the scheduler batches them); a seeded request's choices draw
     from seeds `seed`, `seed + 1`, … so they differ. A refusal of any (429) withdraws the ones already queued."""
+    wanted, room = len(prompts) * body.n, served.current.scheduler.max_queue
+    if wanted > room:
+        raise RequestError(
+            400,
+            f"{len(prompts)} prompt(s) × n {body.n} = {wanted} generations, more than this server queues at once "
+            f"({room}, serve.max_queue); send fewer per request",
+        )
     choices: list[Choice] = []
     sampling = body.sampling()
     try:
@@ -226,11 +233,15 @@ async def _whole(choices: list[Choice], shape: dict, http: Request) -> dict:
             shape, choice.index, text, finish.reason, False, logprobs=logprobs
         ), finish.completion_tokens
 
+    tasks = [asyncio.ensure_future(one(choice)) for choice in choices]
     try:
-        answers = await asyncio.gather(*(one(choice) for choice in choices))
-    finally:  # one choice failing (or the client leaving) ends the others too
+        answers = await asyncio.gather(*tasks)
+    finally:  # one choice failing (or the client leaving) ends the others too, and their errors are collected
         for choice in choices:
             choice.generation.request.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     body = _envelope(shape, [answer for answer, _ in answers], stream=False)
     return {**body, "usage": _usage(shape, sum(tokens for _, tokens in answers))}
 
@@ -290,7 +301,12 @@ async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[int, Piece | Pro
                 await queue.put((choice.index, event))
         except RequestError as exc:
             await queue.put((choice.index, exc))
-        await queue.put((choice.index, None))
+        except Exception as exc:  # anything else ends the stream too, in the API's error shape, never a hang
+            await queue.put(
+                (choice.index, RequestError(500, f"generation failed: {type(exc).__name__}", "server_error"))
+            )
+        finally:
+            queue.put_nowait((choice.index, None))
 
     tasks = [asyncio.create_task(pump(choice)) for choice in choices]
     try:

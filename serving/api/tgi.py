@@ -140,7 +140,11 @@ def _with_tail(pieces: list[Piece], stop_text: str) -> list[Piece]:
 
 
 async def _events(generation: Generation, params: Any, special: set[int]) -> AsyncIterator[dict]:
-    text, pending = [], None  # the last token is sent with the final event, which carries the whole text
+    text, pending, count = (
+        [],
+        None,
+        0,
+    )  # the last token goes with the final event, which carries the whole text
     tokenizer = generation.loaded.runtime.tokenizer
     async for event in generation.events():
         if isinstance(event, Piece):
@@ -149,13 +153,13 @@ async def _events(generation: Generation, params: Any, special: set[int]) -> Asy
                 pending.text += event.text
                 continue
             if pending is not None:
-                yield _stream_event(len(text) - 1, pending, special, tokenizer, params, None)
-            pending = Piece(event.text, event.token, event.logprob, event.top)
+                yield _stream_event(count, pending, special, tokenizer, params, None)
+            pending, count = Piece(event.text, event.token, event.logprob, event.top), count + 1
             continue
         final = pending or Piece("", generation.loaded.runtime.eos_token_id or 0, 0.0)
         final.text += event.stop_text
         done = {"generated_text": "".join(text) + event.stop_text, "details": _details(event, params.seed)}
-        yield _stream_event(len(text), final, special, tokenizer, params, done)
+        yield _stream_event(max(count, 1), final, special, tokenizer, params, done)
 
 
 def _stream_event(

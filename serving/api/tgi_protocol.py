@@ -25,7 +25,7 @@ class TgiParameters(BaseModel):
 
     max_new_tokens: int | None = Field(None, ge=1)
     do_sample: bool | None = None
-    temperature: float | None = Field(None, gt=0.0, le=2.0)
+    temperature: float | None = Field(None, gt=0.0)  # TGI asks only for a positive temperature
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     typical_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -57,8 +57,9 @@ class TgiParameters(BaseModel):
 
     @property
     def prompt_logprobs(self) -> bool:
-        """decoder_input_details: the input tokens with their log-probabilities, as `details.prefill`."""
-        return bool(self.decoder_input_details)
+        """decoder_input_details (with details, where TGI reports them): the input tokens with their
+        log-probabilities, as `details.prefill`."""
+        return bool(self.decoder_input_details and self.details)
 
     def sampling(self) -> Sampling:
         """TGI's rule: it samples when `do_sample` is set or any warper is (a temperature other than 1, top_k,
@@ -72,6 +73,7 @@ class TgiParameters(BaseModel):
         penalties = {
             "repetition_penalty": self.repetition_penalty or 1.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
+            "frequency_share": True,  # TGI's rule: the share of each token in the whole sequence
             "top_logprobs": self.top_n_tokens or 0,
         }
         if not (self.do_sample or warpers):

@@ -114,6 +114,24 @@ class BatchDecoder(abc.ABC):
     between steps. Logits are float32 arrays over the vocabulary for each sequence's next token."""
 
     steps: int = 0  # engine calls so far (a prompt run alone counts one, a step of all sequences one)
+    # Whether prompts may join in slices fused into steps (`open` + `step_with_prefill`; see serve.prefill_chunk)
+    chunked_prefill: bool = False
+    # Whether a newcomer may take the cache of a prompt start another sequence holds (decoders that can; set by
+    # the server from serve.prefix_reuse)
+    reuse_prefixes: bool = True
+
+    def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
+        """A new sequence to be filled by `step_with_prefill` (chunked decoders only): (its id, how many of
+        `prompt`'s first tokens it holds already, reused from another sequence's cache; 0 without reuse)."""
+        raise NotImplementedError(f"{type(self).__name__} runs prompts whole")
+
+    def step_with_prefill(
+        self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
+    ) -> tuple[dict[int, Any], Any]:
+        """`step(tokens)` for the running sequences and the next `chunk` of an opened sequence's prompt, in one
+        engine call; (the running sequences' logits, the logits after the chunk's last token). After its `last`
+        chunk the sequence runs with the others (`step` then needs its token too)."""
+        raise NotImplementedError(f"{type(self).__name__} runs prompts whole")
 
     @abc.abstractmethod
     def add(self, prompt: list[int]) -> tuple[int, Any]:

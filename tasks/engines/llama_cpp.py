@@ -171,6 +171,11 @@ class _Context:
     def forget(self, sequence: int) -> None:
         self._lib.llama_memory_seq_rm(self._memory, sequence, -1, -1)
 
+    def share(self, source: int, target: int, length: int) -> None:
+        """Give `target` the cache cells of `source`'s first `length` positions (the unified cache shares the
+        cells themselves: nothing is copied or recomputed)."""
+        self._lib.llama_memory_seq_cp(self._memory, source, target, 0, length)
+
     def decode(self, work: list[tuple[int, list[int], int, bool]]) -> list[np.ndarray]:
         """Run (sequence id, tokens, first position, logits for every token?) items as one batch; per item, its
         logits rows (every token's, or the last token's only) as float32 [rows, vocab]."""
@@ -204,48 +209,113 @@ class _Context:
 
 class LlamaCppBatchDecoder(BatchDecoder):
     """Iteration-level batching in llama.cpp: every step is one `llama_decode` with one token per sequence, each
-    at its own position under its own `seq_id`; leaving frees that sequence's cells for the next one."""
+    at its own position under its own `seq_id`; leaving frees that sequence's cells for the next one.
+
+    Prefix reuse: a newcomer whose prompt starts like a sequence in the cache (a shared system prompt, a chat
+    history) is given that sequence's cells for the shared positions and runs only the rest of its prompt; the
+    same tokens at the same positions have the same keys and values, so the answer does not change."""
+
+    chunked_prefill = True  # a prompt's slice and the running sequences' tokens go into one llama_decode
 
     def __init__(self, context: _Context, runtime: LlamaCppRuntime) -> None:
         self._context, self._runtime = context, runtime  # the runtime owns the model the context uses
         self._context.clear()
         self._slots: dict[int, int] = {}  # sequence id → llama.cpp seq_id
         self._lengths: dict[int, int] = {}
+        self._tokens: dict[int, list[int]] = {}  # what each sequence's cells hold, position by position
+        self._filling: set[int] = set()  # opened sequences whose prompt is still arriving
         self._next_id = 0
+        self.reused_tokens = 0  # prompt tokens taken from another sequence's cells instead of computed
 
     @property
     def active(self) -> int:
         return len(self._slots)
 
-    def add(self, prompt: list[int]) -> tuple[int, Any]:
+    def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
+        """A new sequence; with `prompt`, holding already the longest start of it another sequence holds (at
+        most all but its last token). (its id, how many of the prompt's tokens it holds)."""
         free = sorted(set(range(self._context.sequences)) - set(self._slots.values()))
         if not free:
             raise ValueError(f"the decoder already steps {self._context.sequences} sequences")
-        self.steps += 1
+        shared, source = 0, None
+        for other, held in self._tokens.items() if self.reuse_prefixes else ():
+            length = _common_prefix(held, prompt or [], limit=len(prompt or []) - 1)
+            if length > shared:
+                shared, source = length, other
         self._next_id += 1
-        self._slots[self._next_id], self._lengths[self._next_id] = free[0], len(prompt)
+        sequence = self._next_id
+        self._slots[sequence], self._lengths[sequence], self._tokens[sequence] = free[0], 0, []
+        self._filling.add(sequence)  # not stepped until its prompt is in (`add`, or a `last` chunk)
+        if source is not None:
+            self._context.share(self._slots[source], free[0], shared)
+            self._lengths[sequence], self._tokens[sequence] = shared, list(prompt[:shared])
+            self.reused_tokens += shared
+        return sequence, shared
+
+    def add(self, prompt: list[int]) -> tuple[int, Any]:
+        sequence, held = self.open(prompt)
+        self.steps += 1
         try:
-            (logits,) = self._context.decode([(free[0], prompt, 0, False)])
+            (logits,) = self._context.decode([(self._slots[sequence], prompt[held:], held, False)])
         except Exception:
-            self.remove(self._next_id)
+            self.remove(sequence)
             raise
-        return self._next_id, logits[-1]
+        self._lengths[sequence], self._tokens[sequence] = len(prompt), list(prompt)
+        self._filling.discard(sequence)
+        return sequence, logits[-1]
 
     def step(self, tokens: dict[int, int]) -> dict[int, Any]:
-        if set(tokens) != set(self._slots):
+        stepped, _ = self._fused(tokens, None, [])
+        return stepped
+
+    def step_with_prefill(
+        self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
+    ) -> tuple[dict[int, Any], Any]:
+        if sequence not in self._filling or not chunk:
+            raise ValueError(f"sequence {sequence} is not an opened one still filling, or the chunk is empty")
+        stepped, logits = self._fused(tokens, sequence, chunk)
+        if last:  # its prompt is complete: it steps with the others from the next call on
+            self._filling.discard(sequence)
+        return stepped, logits
+
+    def _fused(
+        self, tokens: dict[int, int], filling: int | None, chunk: list[int]
+    ) -> tuple[dict[int, Any], Any]:
+        running = set(self._slots) - self._filling
+        if set(tokens) != running:
             raise ValueError(
-                f"step needs a token for every active sequence {sorted(self._slots)}, got {sorted(tokens)}"
+                f"step needs a token for every running sequence {sorted(running)}, got {sorted(tokens)}"
             )
         self.steps += 1
-        order = sorted(self._slots)
-        logits = self._context.decode([(self._slots[s], [tokens[s]], self._lengths[s], False) for s in order])
+        order = sorted(running)
+        work = [(self._slots[s], [tokens[s]], self._lengths[s], False) for s in order]
+        if filling is not None:
+            work.append((self._slots[filling], chunk, self._lengths[filling], False))
+        logits = self._context.decode(work)
         for sequence in order:
             self._lengths[sequence] += 1
-        return {sequence: rows[-1] for sequence, rows in zip(order, logits, strict=True)}
+            self._tokens[sequence].append(tokens[sequence])
+        last = None
+        if filling is not None:
+            self._lengths[filling] += len(chunk)
+            self._tokens[filling].extend(chunk)
+            last = logits[-1][-1]
+        return {sequence: rows[-1] for sequence, rows in zip(order, logits, strict=False)}, last
 
     def remove(self, sequence: int) -> None:
         self._context.forget(self._slots.pop(sequence))
-        del self._lengths[sequence]
+        del self._lengths[sequence], self._tokens[sequence]
+        self._filling.discard(sequence)
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit`."""
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if count >= limit or x != y:
+            break
+        count += 1
+    return count
 
 
 def _room_for(tokens: int) -> int:

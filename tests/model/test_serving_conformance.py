@@ -308,3 +308,38 @@ def test_tgi_decoder_input_details_score_the_input_and_are_refused_on_streams(ur
     refused = httpx.post(f"{url}/generate_stream", json=body, timeout=30)
     assert refused.status_code == 422 and "decoder_input_details" in refused.json()["error"]
     assert refused.json()["error_type"] == "validation"
+
+
+def test_a_request_for_more_generations_than_the_queue_holds_is_refused_not_told_to_retry(url):
+    body = {"prompt": [PROMPT] * 16, "n": 8, "max_tokens": 2}  # 128 generations, serve.max_queue is 64
+    refused = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400 and "serve.max_queue" in refused.json()["error"]["message"]
+
+
+def test_a_choice_failing_unexpectedly_ends_a_merged_stream_instead_of_hanging_it():
+    import asyncio
+
+    from serving.api.openai import Choice, _merged
+    from serving.text import RequestError
+
+    class Broken:
+        class request:  # noqa: N801 (the attribute the stream cancels)
+            @staticmethod
+            def cancel():
+                pass
+
+        async def events(self):
+            raise ValueError("engine went away")
+            yield  # pragma: no cover
+
+    class Fine(Broken):
+        async def events(self):
+            await asyncio.sleep(0.01)
+            return
+            yield  # pragma: no cover
+
+    async def drain():
+        return [event async for event in _merged([Choice(0, Fine()), Choice(1, Broken())])]
+
+    with pytest.raises(RequestError, match="ValueError"):
+        asyncio.run(asyncio.wait_for(drain(), 5))

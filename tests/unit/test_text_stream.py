@@ -120,3 +120,66 @@ def test_typical_p_draws_only_from_the_set_transformers_typical_warper_keeps():
     rng = np.random.default_rng(0)
     draws = {choose_token(logits, Sampling(temperature=1.0, typical_p=0.6), rng) for _ in range(300)}
     assert draws == kept and len(kept) < len(logits)
+
+
+def test_tgi_frequency_penalty_is_each_tokens_share_of_the_whole_sequence():
+    from serving.scheduler import adjusted_logits
+
+    logits = np.zeros(10)
+    out = adjusted_logits(
+        logits, Sampling(frequency_penalty=1.0, frequency_share=True), [3, 3], [5, 3], frozenset()
+    )
+    assert out[3] == -0.75 and out[5] == -0.25 and out[0] == 0.0  # 3 of 4 tokens are 3, 1 of 4 is 5
+
+
+class _EosFirst:
+    """A runtime whose every next-token distribution puts the end-of-sequence token (0) first, token 1 second."""
+
+    def batch_decoder(self):
+        from tasks.engines.contract import BatchDecoder
+
+        class Decoder(BatchDecoder):
+            def __init__(self):
+                self.sequences = set()
+
+            def add(self, prompt):
+                self.sequences.add(len(self.sequences) + 1)
+                return max(self.sequences), np.array([5.0, 4.0, 0.0], dtype=np.float32)
+
+            def step(self, tokens):
+                return {s: np.array([5.0, 4.0, 0.0], dtype=np.float32) for s in tokens}
+
+            def remove(self, sequence):
+                self.sequences.discard(sequence)
+
+            @property
+            def active(self):
+                return len(self.sequences)
+
+        return Decoder()
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [({}, [0]), ({"min_tokens": 3}, [1, 1, 1, 0]), ({"ignore_eos": True}, [0, 0, 0, 0, 0])],
+)
+def test_min_tokens_and_ignore_eos_each_keep_a_request_going_past_the_end_token(options, expected):
+    import threading
+
+    from serving.scheduler import GenerationRequest, Scheduler
+
+    scheduler = Scheduler(_EosFirst(), max_batch=2, max_queue=2)
+    tokens, done = [], threading.Event()
+
+    def on_event(event):
+        if event[0] == "token":
+            tokens.append(event[1][0])
+        else:
+            done.set()
+
+    stops = frozenset() if options.get("ignore_eos") else frozenset({0})
+    sampling = Sampling(min_tokens=options.get("min_tokens", 0))
+    scheduler.submit(GenerationRequest([7, 8], 5, sampling, on_event, stop_ids=stops))
+    assert done.wait(10)
+    scheduler.close()
+    assert tokens == expected
