@@ -289,6 +289,62 @@ def search_rate(
     return met, tried
 
 
+def offline_same_mix(
+    runtime: Any,
+    requests: list[LoadRequest],
+    clients: int,
+    max_batch: int,
+    prefill_chunk: int = 0,
+    prefix_reuse: bool = True,
+) -> float:
+    """Generated tok/s of the same request set run through the same engine and scheduler settings in this
+    process, without HTTP or a client in between (`clients` in flight at once, each sending its next as one ends;
+    greedy, stopping at the end-of-sequence token as served requests do): the ceiling the served figures are read
+    against. A fresh scheduler, so no prefix of an earlier level is in its cache."""
+    import threading
+
+    from serving.scheduler import GenerationRequest, Sampling, Scheduler
+
+    eos = runtime.eos_token_id
+    stops = frozenset() if eos is None else frozenset({eos})
+    prompts = [runtime.encode(request.prompt) for request in requests]
+    scheduler = Scheduler(runtime, max_batch, max(len(requests), 1), None, prefill_chunk, prefix_reuse)
+    lock, pending, produced, finished = (
+        threading.Lock(),
+        list(range(len(requests))),
+        [0],
+        threading.Semaphore(0),
+    )
+
+    def send() -> None:
+        with lock:
+            if not pending:
+                return
+            index = pending.pop(0)
+
+        def on_event(event: tuple[str, Any]) -> None:
+            if event[0] == "token":
+                with lock:
+                    produced[0] += 1
+            else:
+                finished.release()
+                send()
+
+        scheduler.submit(
+            GenerationRequest(prompts[index], requests[index].max_tokens, Sampling(), on_event, stops)
+        )
+
+    started = time.perf_counter()
+    try:
+        for _ in range(min(clients, len(requests))):
+            send()
+        for _ in requests:
+            finished.acquire()
+    finally:
+        scheduler.close()
+    return produced[0] / (time.perf_counter() - started)
+
+
 def served_model(url: str, model: str | None, api_key: str | None) -> dict:
     """What the server says it serves (its /health entry for `model`, or its default); a clear error when no
     server answers at `url`."""
@@ -332,6 +388,7 @@ def log_load_test(
     settings: dict,
     best: LevelResult | None = None,
     searched: tuple[LevelResult, ...] | list[LevelResult] = (),
+    same_mix: dict[int, float] | None = None,
 ) -> str:
     """One MLflow run per load test, tagged with the model version it drove; the version gets a tag pointing
     back at it. Returns the run id."""
@@ -364,6 +421,8 @@ def log_load_test(
             )  # nan: not measured
         if ceiling:
             mlflow.log_metric(f"offline_decode_tok_s_bs{ceiling[0]}", ceiling[1])
+        for clients, tok_s in (same_mix or {}).items():
+            mlflow.log_metric(f"offline_same_mix.c{clients}.tok_s", tok_s)
         if best is not None:
             mlflow.log_metrics({"slo.max_rate_rps": best.rate_rps, "slo.goodput_rps": best.goodput_rps})
     MlflowClient().set_model_version_tag(registered, version, "llmopt.loadtest_run", run.info.run_id)

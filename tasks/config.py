@@ -360,6 +360,9 @@ class LoadtestConfig(Strict):
     rates: list[Annotated[float, Field(gt=0, le=10_000)]] = []
     slo: SloConfig | None = None
     search_trials: Annotated[int, Field(ge=0, le=20)] = 6
+    # The same request set run offline through the same engine in this process (the served version, downloaded),
+    # with one client and with the most clients of `concurrency`: the ceiling the served figures are read against
+    offline_ceiling: bool = True
     requests_per_level: Annotated[int, Field(ge=1, le=100_000)] = 48
     seed: int = 0
     prompt_words: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [8, 160]

@@ -30,7 +30,11 @@ def print_outcome(outcome, last_line: bool = True) -> None:
 
 
 def print_load_test(
-    results: list, ceiling: tuple[int, float] | None, slo: Any = None, best: Any = None
+    results: list,
+    ceiling: tuple[int, float] | None,
+    slo: Any = None,
+    best: Any = None,
+    same_mix: dict[int, float] | None = None,
 ) -> None:
     table = Table(title="Load test (greedy, streamed; latencies in ms)")
     columns = [
@@ -88,6 +92,17 @@ def print_load_test(
             )
         else:
             console.print(f"SLO ({bounds}): no rate tried met it; goodput per level is in the table")
+    for clients, tok_s in sorted((same_mix or {}).items()):
+        served = next((r for r in results if r.concurrency == clients), None)
+        share = (
+            f"; served: {served.tok_s:.0f} tok/s, {served.tok_s / tok_s:.0%} of it"
+            if served and tok_s
+            else ""
+        )
+        console.print(
+            f"offline, same requests, same engine, {clients} client{'s' if clients != 1 else ''}: "
+            f"{tok_s:.0f} tok/s{share}"
+        )
     top = max((r for r in results if r.concurrency), key=lambda r: r.concurrency, default=None)
     if ceiling and top is not None:
         console.print(

@@ -124,14 +124,22 @@ def loadtest(
         configure_tracking(config.tracking, root)
         registered, _, version = entry["served_id"].rpartition("/")
         ceiling = offline_ceiling(registered, version)
+        same_mix = None
+        if cfg.offline_ceiling:
+            console.print(
+                "the same requests offline through the same engine (the served version, in this process) …"
+            )
+            same_mix = _same_mix(config, registered, version, batch, sorted({1, max(levels)}))
         settings = {
             "url": base,
             "levels": levels,
             "rates": offered,
             **cfg.model_dump(exclude={"concurrency", "rates"}),
         }
-        run_id = log_load_test(config.tracking.experiment, entry, results, ceiling, settings, best, trials)
-        print_load_test(results, ceiling, cfg.slo, best)
+        run_id = log_load_test(
+            config.tracking.experiment, entry, results, ceiling, settings, best, trials, same_mix
+        )
+        print_load_test(results, ceiling, cfg.slo, best, same_mix)
         console.print(f"logged to MLflow run {run_id} (tag llmopt.loadtest_run on {registered} v{version})")
 
 
@@ -153,3 +161,27 @@ def _rates(text: str) -> list[float]:
     if not rates or min(rates) <= 0:
         raise ConfigError(f"--rates: comma-separated positive numbers (req/s), got {text!r}")
     return rates
+
+
+def _same_mix(
+    config: Any, registered: str, version: str, batch: list, clients: list[int]
+) -> dict[int, float]:
+    """tok/s of `batch` run offline through the served version (downloaded and verified as the server loads it)
+    with the server's batching settings, for each number of clients."""
+    import tempfile
+
+    from serving.loadtest import offline_same_mix
+    from tasks.decide.registry import download_verified
+    from tasks.engines import load_runtime
+
+    serve, target = config.serve, config.target
+    with tempfile.TemporaryDirectory(prefix="llmopt-loadtest-") as scratch:
+        folder = download_verified(registered, version, Path(scratch))
+        runtime = load_runtime(folder, target.threads, target.device, target.tensor_parallel)
+        runtime.generate([runtime.encode("warm up")], 1)
+        return {
+            count: offline_same_mix(
+                runtime, batch, count, serve.max_batch, serve.prefill_chunk, serve.prefix_reuse
+            )
+            for count in clients
+        }

@@ -417,6 +417,9 @@ def test_server_answers_completions_from_the_production_alias(project):
         metrics = mlflow_client(root).get_run(tag).data.metrics
         assert metrics["c3.errors"] == 0 and metrics["c3.tok_s"] > 0 and metrics["c1.requests"] == 6
         assert "offline_decode_tok_s_bs2" in metrics  # the pipeline benchmark's largest batch, as the ceiling
+        # the same requests offline through the same engine, with one client and with the most
+        assert metrics["offline_same_mix.c1.tok_s"] > 0 and metrics["offline_same_mix.c3.tok_s"] > 0
+        assert "offline, same requests, same engine, 3 clients" in load.stdout
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)

@@ -136,3 +136,11 @@ def test_several_long_prompts_arriving_together_are_fed_in_turn_and_answer_as_al
     assert all(finished.acquire(timeout=60) for _ in prompts)
     scheduler.close()
     assert answers == [llama.generate([prompt], 8, stop_at_eos=False)[0] for prompt in prompts]
+
+
+def test_the_offline_same_mix_ceiling_runs_every_request_through_the_scheduler(llama):
+    from serving.loadtest import LoadRequest, offline_same_mix
+
+    requests = [LoadRequest(RUNNING, 6), LoadRequest(ARRIVING, 4), LoadRequest("A bridge", 5)]
+    assert offline_same_mix(llama, requests, clients=8, max_batch=2, prefill_chunk=8) > 0
+    assert offline_same_mix(llama, requests, clients=1, max_batch=2) > 0
