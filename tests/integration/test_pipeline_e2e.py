@@ -419,7 +419,7 @@ def test_server_answers_completions_from_the_production_alias(project):
         assert "offline_decode_tok_s_bs2" in metrics  # the pipeline benchmark's largest batch, as the ceiling
         # the same requests offline through the same engine, with one client and with the most
         assert metrics["offline_same_mix.c1.tok_s"] > 0 and metrics["offline_same_mix.c3.tok_s"] > 0
-        assert "offline, same requests, same engine, 3 clients" in load.stdout
+        assert "offline, same requests, same engine, 3 clients" in load.stdout + load.stderr
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
