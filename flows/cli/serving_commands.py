@@ -166,22 +166,23 @@ def _rates(text: str) -> list[float]:
 def _same_mix(
     config: Any, registered: str, version: str, batch: list, clients: list[int]
 ) -> dict[int, float]:
-    """tok/s of `batch` run offline through the served version (downloaded and verified as the server loads it)
-    with the server's batching settings, for each number of clients."""
-    import tempfile
-
+    """tok/s of `batch` run offline through the served version, loaded as the server loads it (downloaded,
+    verified, warmed up), with the server's batching settings, for each number of clients."""
     from serving.loadtest import offline_same_mix
-    from tasks.decide.registry import download_verified
-    from tasks.engines import load_runtime
+    from serving.models import Limits, load_version
 
     serve, target = config.serve, config.target
-    with tempfile.TemporaryDirectory(prefix="llmopt-loadtest-") as scratch:
-        folder = download_verified(registered, version, Path(scratch))
-        runtime = load_runtime(folder, target.threads, target.device, target.tensor_parallel)
-        runtime.generate([runtime.encode("warm up")], 1)
+    loaded = load_version(
+        registered, version, target.threads, Limits.of(serve), None, target.device, target.tensor_parallel
+    )
+    try:
         return {
             count: offline_same_mix(
-                runtime, batch, count, serve.max_batch, serve.prefill_chunk, serve.prefix_reuse
+                loaded.runtime, batch, count, serve.max_batch, serve.prefill_chunk, serve.prefix_reuse
             )
             for count in clients
         }
+    finally:
+        loaded.scheduler.close()
+        getattr(loaded.runtime, "close", lambda: None)()  # a split model's other ranks
+        loaded.keep.cleanup()

@@ -4,7 +4,7 @@ load generators send (`top_k`, `min_tokens`, `ignore_eos`, `repetition_penalty`)
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -100,20 +100,27 @@ class CompletionRequest(OpenAISampling):
         return self.logprobs or 0
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _TextOnly(BaseModel):
+    """A part whose `type` must be "text"; any other is refused with `REFUSAL` (formatted with the type)."""
 
+    REFUSAL: ClassVar[str]
     type: str
-    text: str = ""
 
     @field_validator("type")
     @classmethod
     def _text_only(cls, kind: str) -> str:
         if kind != "text":
-            raise ValueError(
-                f"content parts of type {kind!r} are not supported: this model reads text parts only"
-            )
+            raise ValueError(cls.REFUSAL.format(kind=kind))
         return kind
+
+
+class TextPart(_TextOnly):
+    model_config = ConfigDict(extra="forbid")
+    REFUSAL: ClassVar[str] = (
+        "content parts of type {kind!r} are not supported: this model reads text parts only"
+    )
+
+    text: str = ""
 
 
 class ChatMessage(BaseModel):
@@ -131,19 +138,9 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_TextOnly):
     model_config = ConfigDict(extra="allow")
-
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, kind: str) -> str:
-        if kind != "text":
-            raise ValueError(
-                f"response_format {kind!r} is not supported: this server generates free text only"
-            )
-        return kind
+    REFUSAL: ClassVar[str] = "response_format {kind!r} is not supported: this server generates free text only"
 
 
 class ChatRequest(OpenAISampling):

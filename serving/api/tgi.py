@@ -140,11 +140,9 @@ def _with_tail(pieces: list[Piece], stop_text: str) -> list[Piece]:
 
 
 async def _events(generation: Generation, params: Any, special: set[int]) -> AsyncIterator[dict]:
-    text, pending, count = (
-        [],
-        None,
-        0,
-    )  # the last token goes with the final event, which carries the whole text
+    # the last token goes with the final event, which carries the whole text
+    text: list[str] = []
+    pending, count = None, 0
     tokenizer = generation.loaded.runtime.tokenizer
     async for event in generation.events():
         if isinstance(event, Piece):
@@ -173,14 +171,9 @@ def _stream_event(
 
 def _token(piece: Piece, special: set[int], tokenizer: Any) -> dict:
     """TGI's token: a special token (end of sequence) is marked and shows its own text, as TGI shows it."""
-    if piece.token in special:
-        return {
-            "id": piece.token,
-            "text": tokenizer.decode([piece.token]),
-            "logprob": piece.logprob,
-            "special": True,
-        }
-    return {"id": piece.token, "text": piece.text, "logprob": piece.logprob, "special": False}
+    marked = piece.token in special
+    text = tokenizer.decode([piece.token]) if marked else piece.text
+    return {"id": piece.token, "text": text, "logprob": piece.logprob, "special": marked}
 
 
 def _top(piece: Piece, special: set[int], tokenizer: Any) -> list[dict]:
