@@ -9,7 +9,9 @@ Modules that read the same input (a layer's q/k/v, gate/up) compute each statist
 Captures are content-addressed: inside `statistics_cache(folder)` (the optimize stage opens one in the workdir)
 a capture whose model weights, modules, windows and statistics are those of an earlier one is read back from
 `folder` instead of run again, across variants (GPTQ's Hessians of the two int4 exports, the importance matrix of
-the two llama.cpp files) and runs. Any changed weight, window or statistic gives another key.
+the two llama.cpp files) and runs. Any changed weight, window or statistic gives another key. `cached_tensors`
+puts any other per-weight statistic of the calibration windows under the same key (mixed precision's Fisher
+diagonal).
 """
 
 from __future__ import annotations
@@ -95,6 +97,33 @@ def capture_statistics(
             for kind, f in found.items()
         },
     )
+    return found
+
+
+def cached_tensors(
+    model: Any,
+    modules: dict[str, Any],
+    windows: list[list[int]],
+    code: Callable[..., Any],
+    compute: Callable[[], dict[str, Any]],
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`compute()` (name → tensor, a statistic of `modules` over `windows` computed by `code` with `settings`), read
+    back from the statistics cache when the model, modules, windows, settings and `code`'s source are those of an
+    earlier call."""
+    folder = _CACHE.get()
+    if folder is None:
+        return compute()
+    key = capture_key(model, modules, windows, {code.__name__: code})
+    if settings:
+        key = hashlib.sha256(f"{key}\0{json.dumps(settings, sort_keys=True)}".encode()).hexdigest()
+    path = folder / f"{key}.pt"
+    if path.is_file():
+        import torch
+
+        return torch.load(path, weights_only=True, map_location="cpu")
+    found = compute()
+    _store(path, {name: tensor.detach().cpu() for name, tensor in found.items()})
     return found
 
 

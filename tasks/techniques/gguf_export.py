@@ -61,6 +61,11 @@ class LlamaCppStep(Strict):
             )
         if "imatrix_windows" in self.model_fields_set and not self.imatrix:
             raise ValueError("imatrix_windows applies only with imatrix: true")
+        if self.mixed_precision is not None and self.mixed_precision.sensitivity == "predicted":
+            raise ValueError(
+                "mixed_precision.sensitivity: llama.cpp's plans are measured per layer (its importance-matrix "
+                "rounding has no torch twin to predict from); leave it out or say measured"
+            )
         if self.mixed_precision is not None and self.type not in self.MIXABLE:
             raise ValueError(
                 f"mixed_precision applies to type {' or '.join(self.MIXABLE)} (one 4-bit type for every matrix, "

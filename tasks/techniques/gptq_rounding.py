@@ -25,11 +25,13 @@ importance × sqrt(σ² + w²) ×1.12, the plain mean square ×1.11.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from tasks.techniques.calibration import capture_statistics, mean_square, unit_token_gram
+from tasks.techniques.calibration import cached_tensors, capture_statistics, mean_square, unit_token_gram
 
 DAMPING = 0.01  # share of the mean Hessian diagonal added to it (the paper's default)
 # weighted scales: candidate grids put the block's largest magnitude at −(levels + step) (llama.cpp's make_qx_quants)
@@ -186,7 +188,35 @@ def round_matrices(
 ) -> dict[str, BlockwiseInt]:
     """Every module's weight on the int4 grid, from one calibration pass over `windows`: rounding `gptq` or `rtn`
     (to nearest), scales `absmax` (onnxruntime's) or `weighted` (importance-weighted). The model is left as it was.
-    A tied lm_head is rounded too: its table is the int4 embedding's, which then gets these rows as well."""
+    A tied lm_head is rounded too: its table is the int4 embedding's, which then gets these rows as well.
+    Inside the statistics cache the result is computed once per model, modules, windows and settings (the int4 and
+    the mixed-precision exports of one base share it)."""
+
+    def compute() -> dict[str, Any]:
+        rounded = _round_matrices(model, modules, windows, block, rounding, scales, progress)
+        return {f"{n}\0{part}": getattr(r, part) for n, r in rounded.items() for part in ("levels", "scales")}
+
+    settings = {
+        "block": block,
+        "rounding": rounding,
+        "scales": scales,
+        "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),  # this module: every rounding helper
+    }
+    stored = cached_tensors(model, modules, windows, round_matrices, compute, settings)
+    if progress is not None:
+        progress(rounding, len(modules), len(modules))
+    return {n: BlockwiseInt(stored[f"{n}\0levels"], stored[f"{n}\0scales"], block) for n in modules}
+
+
+def _round_matrices(
+    model: Any,
+    modules: dict[str, Any],
+    windows: list[list[int]],
+    block: int,
+    rounding: str,
+    scales: str,
+    progress: Callable[[str, int, int], None] | None,
+) -> dict[str, BlockwiseInt]:
     found = calibration_inputs(
         model,
         modules,

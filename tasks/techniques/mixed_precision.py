@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from tasks.schema import Strict
+from tasks.techniques.calibration import cached_tensors
 
 SCALE_BYTES = 4  # the builder's MatMulNBits scales are in the float32 I/O type on CPU
 VERIFY_ROUNDS = 8  # measured plans before the search stops adding matrices
@@ -40,6 +41,10 @@ class MixedPrecision(Strict):
     size_budget: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6  # share of the all-int8 matrices' bytes
     windows: Annotated[int, Field(ge=1, le=4096)] = 16  # calibration windows the search measures on ...
     window_tokens: Annotated[int, Field(ge=16, le=8192)] = 256  # ... of this many tokens
+    # each unit's saving at 8 bits: predicted per matrix from the Fisher diagonal, or measured per decoder layer (and
+    # the lm_head) on a quarter of the windows; null: the engine's own (ONNX predicted, llama.cpp measured: its
+    # importance-matrix rounding has no torch twin)
+    sensitivity: Literal["predicted", "measured"] | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,13 @@ def export_matrices(model: Any) -> list[Matrix]:
     return matrices
 
 
+def export_layer_of(matrix: Matrix) -> str:
+    """The decoder layer (or the lm_head) an ONNX export's node belongs to (/model/layers.3/mlp/down_proj/MatMul →
+    layers.3): the unit a measured search keeps at 8 bits."""
+    parts = matrix.node.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] == "model" and parts[2].startswith("layers.") else parts[1]
+
+
 def fake_quantize(weight: Any, bits: int, block: int, symmetric: bool) -> Any:
     """`weight` (out × in) rounded to the MatMulNBits grid: blocks of `block` inputs, one scale each (symmetric:
     the largest magnitude maps to the most negative level, as onnxruntime's blockwise quantizer does)."""
@@ -190,6 +202,7 @@ def search(
     group: Callable[[Matrix], str] | None = None,
     int4_weights: dict[str, Any] | None = None,
     shared_int8_table: bool = True,
+    keep_int8: frozenset[str] = frozenset(),
 ) -> PrecisionPlan:
     """The per-matrix precision plan for `model` (left as it was) from the calibration `windows`.
 
@@ -202,7 +215,10 @@ def search(
     `int4_weights` (torch module name → its weight as the export stores it at 4 bits, e.g. GPTQ-rounded): used
     instead of round-to-nearest wherever a matrix is at 4 bits, in the costs and the measurements.
     `shared_int8_table`: whether a tied int8 lm_head's table serves the embedding lookup too (else the export keeps
-    a float32 copy for it, which keeping the lm_head at int8 costs)."""
+    a float32 copy for it, which keeping the lm_head at int8 costs).
+    `keep_int8`: nodes at 8 bits from the start, whatever their cost (e.g. a tied lm_head, whose Fisher cost sees
+    only its output role, not the embedding lookups that read the same table); their bytes come out of the budget
+    and the search chooses the rest."""
     import torch
 
     if not windows:
@@ -230,10 +246,10 @@ def search(
             return int4_weights[name].to(originals[name])
         return fake_quantize(originals[name], bits, block, symmetric)
 
-    def loss() -> float:
+    def loss(sample: list[list[int]]) -> float:
         total, tokens = 0.0, 0
         with torch.no_grad():
-            for ids in windows:
+            for ids in sample:
                 batch = torch.tensor([ids])
                 total += model(input_ids=batch, labels=batch).loss.item() * (len(ids) - 1)
                 tokens += len(ids) - 1
@@ -241,7 +257,7 @@ def search(
 
     def simulated(plan: dict[str, int] | None, quick: bool = False) -> float:
         set_bits(plan or {})
-        return loss()
+        return loss(windows[: max(1, len(windows) // 4)] if quick else windows)  # quick: a group's saving
 
     measure = measure or simulated
     size = {
@@ -261,8 +277,19 @@ def search(
     for matrix in matrices:
         units.setdefault(group(matrix) if group else matrix.node, []).append(matrix)
     added = {unit: sum(extra[m.node] for m in members) for unit, members in units.items()}
-    if min(added.values()) > budget:  # the search could only end where it starts
-        smallest = min(added.values())
+    unknown = sorted(keep_int8 - set(extra))
+    if unknown:
+        raise ValueError(f"mixed_precision: {unknown[0]} is not a matrix the export quantizes")
+    kept = {u for u, members in units.items() if any(m.node in keep_int8 for m in members)}
+    pinned = sum(added[u] for u in kept)
+    if pinned > budget:
+        raise ValueError(
+            f"mixed_precision.size_budget: {size_budget} leaves no room for {', '.join(sorted(keep_int8))} at "
+            f"8 bits (it needs {(int4_bytes + pinned) / int8_bytes:.1%} of the 8-bit bytes); raise it"
+        )
+    free = [added[u] for u in units if u not in kept]
+    if free and min(free) > budget - pinned:  # the search could only end where it starts
+        smallest = pinned + min(free)
         raise ValueError(
             f"mixed_precision.size_budget: {size_budget} leaves no room for any {'group' if group else 'matrix'} "
             f"at 8 bits (all 4-bit is already {int4_bytes / int8_bytes:.1%} of the 8-bit bytes; the smallest "
@@ -275,8 +302,14 @@ def search(
         all_int4 = {m.node: 4 for m in matrices}
         costs: dict[str, tuple[float, float]] = {}  # per matrix: loss increase at 4 and at 8 bits
         if group is None:
-            fisher = _fisher_diagonal(
-                model, windows, modules, originals, lambda i, n: report("sensitivity", i, n)
+            fisher = cached_tensors(  # the same for every plan of this base and data: computed once
+                model,
+                {name: modules[name] for name in originals},
+                windows,
+                _fisher_diagonal,
+                lambda: _fisher_diagonal(
+                    model, windows, modules, originals, lambda i, n: report("sensitivity", i, n)
+                ),
             )
             for matrix in matrices:
                 c4, c8 = (
@@ -297,7 +330,7 @@ def search(
             costs = {m.node: (0.0, 0.0) for m in matrices}
         else:
             int4_quick = measure(all_int4, quick=True)
-            for index, members in enumerate(units.values()):
+            for index, members in enumerate(units.values()):  # kept ones too: what they save is predicted
                 report("sensitivity", index, len(units))
                 saving = int4_quick - measure(all_int4 | {m.node: 8 for m in members}, quick=True)
                 weight = sum(m.parameters for m in members)
@@ -307,11 +340,17 @@ def search(
         saved = {
             unit: sum(costs[m.node][0] - costs[m.node][1] for m in members) for unit, members in units.items()
         }
-        order = sorted((u for u in units if saved[u] > 0), key=lambda u: saved[u] / added[u], reverse=True)
+        order = sorted(
+            (u for u in units if saved[u] > 0 and u not in kept),
+            key=lambda u: saved[u] / added[u],
+            reverse=True,
+        )
         target_loss = math.log1p(target_ppl_increase)
-        plan, spent, position, skipped = dict(all_int4), 0, 0, False
+        plan = all_int4 | {m.node: 8 for u in kept for m in units[u]}
+        spent, position, skipped = pinned, 0, False
         predicted = measured = int4_loss - base_loss
-        last_measured = dict(plan)
+        predicted -= sum(saved[u] for u in kept)
+        last_measured = dict(all_int4)  # what `measured` is of (a kept matrix makes the start differ)
         stopped_by = f"{VERIFY_ROUNDS} measured plans"
         for round_ in range(VERIFY_ROUNDS):
             report("mixed precision", round_, VERIFY_ROUNDS)

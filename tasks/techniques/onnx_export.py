@@ -53,7 +53,8 @@ class OnnxGenAIStep(Strict):
     # calibration split, llama.cpp's importance matrix). Symmetric only
     scales: Literal["absmax", "weighted"] = "absmax"
     # int4 only: the lm_head's precision. For a tied model an int8 lm_head shares its table with the embedding
-    # lookup (tasks/techniques/onnx_weights.py). With mixed_precision the search decides it
+    # lookup (tasks/techniques/onnx_weights.py). With mixed_precision, int4 lets the search decide it; int8 keeps it
+    # at int8 from the start (its bytes come out of the size budget) and the search chooses the other matrices
     lm_head: Literal["int4", "int8"] = "int4"
     # rounding gptq or scales weighted: calibration windows (of 256 tokens) the statistics are collected on
     calibration_windows: Annotated[int, Field(ge=1, le=4096)] = 32
@@ -73,10 +74,6 @@ class OnnxGenAIStep(Strict):
         if self.calibrated and not self.symmetric:
             raise ValueError(
                 "rounding: gptq and scales: weighted round onto the symmetric grid; leave symmetric at true"
-            )
-        if "lm_head" in self.model_fields_set and self.mixed_precision is not None:
-            raise ValueError(
-                "lm_head: with mixed_precision the search chooses the lm_head's bits; set one of them"
             )
         return self
 
@@ -168,7 +165,7 @@ class OnnxGenAI(Technique):
                 ("lm_head",),
                 "the lm_head at int8 in an int4 export; for a tied model the embedding lookup reads the same int8 "
                 "table (GatherBlockQuantized, 8 bits) instead of a float32 copy (also in int8 exports: SmolLM2's "
-                "onnx_int8 loses 113 MB). With `mixed_precision` the search chooses the lm_head's bits",
+                "onnx_int8 loses 113 MB). With `mixed_precision` it stays at int8 from the start and the search chooses the other matrices (with `lm_head: int4` the search decides it too)",
             ),
             Row(
                 "`onnx_genai: {precision: int4, mixed_precision: {…}}`",
@@ -178,8 +175,11 @@ class OnnxGenAI(Technique):
                 "diagonal × the squared rounding error of onnxruntime's own grid (tested equal), scaled to the "
                 "measured all-int4 loss; matrices are kept at int8 by loss saved per byte until the calibration "
                 "perplexity increase fits the target or the bytes (share of an all-int8 export) are spent, each "
-                "plan measured again. Calibration split only; the plan (per-matrix bits, predicted and measured "
-                "increases) is in the manifest and the MLflow run, and the exported graph is checked to carry it",
+                "plan measured again. `sensitivity: measured` instead puts each decoder layer (and the lm_head, "
+                "whose tied table the embedding lookup reads too) at int8 alone and measures what that saves on a "
+                "quarter of the windows, then keeps whole layers. Calibration split only; the plan (per-matrix "
+                "bits, predicted and measured increases) is in the manifest and the MLflow run, and the exported "
+                "graph is checked to carry it",
             ),
         ]
 
@@ -197,7 +197,7 @@ def _mixed_precision_plan(
 ) -> Any:
     """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's),
     with each matrix at int4 as the export will store it (`rounded`: llmopt's own rounding, else the builder's)."""
-    from tasks.techniques.mixed_precision import search
+    from tasks.techniques.mixed_precision import export_layer_of, search
 
     settings = export.mixed_precision
     windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
@@ -213,6 +213,8 @@ def _mixed_precision_plan(
             context.report,
             int4_weights=int4,
             shared_int8_table=shared,
+            keep_int8=frozenset({"/lm_head/MatMul"} if export.lm_head == "int8" else ()),
+            group=export_layer_of if settings.sensitivity == "measured" else None,
         )
 
 

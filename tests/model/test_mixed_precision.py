@@ -105,6 +105,60 @@ def test_the_planted_matrix_stays_int8_and_the_rest_goes_int4_using_calibration_
     assert "1 of 11 matrices kept at int8" in " ".join(built.manifest.notes)
 
 
+def test_an_int8_lm_head_is_kept_from_the_start_and_the_search_chooses_the_rest(
+    planted_base, tmp_path, monkeypatch
+):
+    """`lm_head: int8` with mixed precision: the tied lm_head (whose Fisher cost sees only its output role) is at
+    int8 before the search starts, its bytes out of the budget; the search still finds the planted matrix, and the
+    embedding lookup reads the int8 lm_head's table. A budget without room for the lm_head is refused naming it."""
+    step = RECIPE["steps"][0]["onnx_genai"]
+    recipe = {
+        "steps": [
+            {
+                "onnx_genai": step
+                | {"lm_head": "int8", "mixed_precision": step["mixed_precision"] | {"size_budget": 1.0}}
+            }
+        ]
+    }
+    built, folder = _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch)
+    plan = built.manifest.mixed_precision
+    kept = [m["node"] for m in plan["matrices"] if m["bits"] == 8]
+    assert {PLANTED, "/lm_head/MatMul"} <= set(kept) and len(kept) < len(plan["matrices"]) / 2, plan
+    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"], plan
+    exported = weight_bits(folder)
+    assert exported.pop("/model/embed_tokens/GatherBlockQuantized") == 8  # the lm_head's int8 table, shared
+    assert exported == {m["node"]: m["bits"] for m in plan["matrices"]}
+
+    from transformers import AutoModelForCausalLM
+
+    from tasks.techniques.mixed_precision import search
+
+    model = AutoModelForCausalLM.from_pretrained(planted_base.path)
+    with pytest.raises(ValueError, match=r"size_budget: 0.6 leaves no room for /lm_head/MatMul at 8 bits"):
+        search(model, [[1, 2, 3, 4]], 0.01, 0.6, 32, True, keep_int8=frozenset({"/lm_head/MatMul"}))
+
+
+def test_a_measured_onnx_search_keeps_the_planted_layer_whole(planted_base, tmp_path, monkeypatch):
+    """`sensitivity: measured`: each decoder layer (and the lm_head) goes to int8 alone and its saving is measured,
+    not predicted; the layer holding the planted matrix is kept whole, the other layer and the lm_head stay int4."""
+    step = RECIPE["steps"][0]["onnx_genai"]
+    mixed = step["mixed_precision"] | {"sensitivity": "measured", "size_budget": 0.8}
+    built, folder = _build_reading_only_calibration(
+        {"steps": [{"onnx_genai": step | {"mixed_precision": mixed}}]}, planted_base, tmp_path, monkeypatch
+    )
+    plan = built.manifest.mixed_precision
+    kept = {m["node"] for m in plan["matrices"] if m["bits"] == 8}
+    assert kept == {m["node"] for m in plan["matrices"] if m["node"].startswith("/model/layers.1/")}, plan
+    assert PLANTED in kept and plan["sensitivity"] == "measured per layer"
+    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
+    exported = weight_bits(folder)
+    assert {node: exported[node] for node in exported if node in kept} == dict.fromkeys(kept, 8)
+    with pytest.raises(ValueError, match="llama.cpp's plans are measured per layer"):
+        VariantConfig.model_validate(
+            {"steps": [{"llama_cpp": {"type": "Q4_0", "mixed_precision": {"sensitivity": "predicted"}}}]}
+        )
+
+
 def test_llama_cpp_keeps_the_planted_layer_at_q8_0_and_the_rest_at_q4_0_using_calibration_text_only(
     planted_base, tmp_path, monkeypatch
 ):
@@ -384,3 +438,66 @@ def test_the_per_layer_search_measures_only_what_can_change_the_plan(tiny_model_
     with pytest.raises(ValueError, match=r"size_budget: 0.7 leaves no room for any group .* needs 76.5%"):
         search(model, windows, 0.02, 0.7, gguf.BLOCK, True, **grouped)
     assert calls == []
+
+
+def test_the_fisher_diagonal_is_computed_once_per_base_and_windows(tiny_model_dir, tmp_path, monkeypatch):
+    """Inside the statistics cache a second search on the same model and windows reads the Fisher diagonal back
+    (same plan, no gradient pass); other windows or a changed weight compute it again."""
+    from transformers import AutoModelForCausalLM
+
+    import tasks.techniques.mixed_precision as mixed_precision
+    from tasks.techniques.calibration import statistics_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    passes = []
+    real = mixed_precision._fisher_diagonal
+
+    def fisher(*args):
+        passes.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(mixed_precision, "_fisher_diagonal", fisher)
+    windows = [[5, 9, 2, 7, 3, 8, 1, 4] * 4] * 2
+    with statistics_cache(tmp_path / "stats"):
+        first = mixed_precision.search(model, windows, 0.001, 1.0, 32, True)
+        second = mixed_precision.search(model, windows, 0.001, 1.0, 32, True)
+        assert len(passes) == 1 and first.to_dict() == second.to_dict()
+        mixed_precision.search(model, windows[:1], 0.001, 1.0, 32, True)
+        assert len(passes) == 2
+        with torch.no_grad():
+            model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
+        mixed_precision.search(model, windows, 0.001, 1.0, 32, True)
+        assert len(passes) == 3
+
+
+def test_rounded_matrices_are_computed_once_per_base_windows_and_settings(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """The int4 export and the mixed-precision export of one base round the same matrices the same way: inside the
+    statistics cache the second reads the levels and scales back; other settings round again."""
+    from transformers import AutoModelForCausalLM
+
+    import tasks.techniques.gptq_rounding as gptq_rounding
+    from tasks.techniques.calibration import statistics_cache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    modules = {"down": model.model.layers[0].mlp.down_proj, "up": model.model.layers[1].mlp.up_proj}
+    windows = [[5, 9, 2, 7, 3, 8, 1, 4] * 4] * 2
+    runs = []
+    real = gptq_rounding._round_matrices
+
+    def counting(*args):
+        runs.append(args[4:6])
+        return real(*args)
+
+    monkeypatch.setattr(gptq_rounding, "_round_matrices", counting)
+    with statistics_cache(tmp_path / "stats"):
+        first = gptq_rounding.round_matrices(model, modules, windows, 32, "rtn", "weighted")
+        again = gptq_rounding.round_matrices(model, modules, windows, 32, "rtn", "weighted")
+        assert runs == [("rtn", "weighted")]
+        for name in modules:
+            assert torch.equal(first[name].levels, again[name].levels)
+            assert torch.equal(first[name].scales, again[name].scales) and again[name].block == 32
+        gptq_rounding.round_matrices(model, modules, windows, 32, "gptq", "weighted")
+        gptq_rounding.round_matrices(model, modules, windows, 16, "rtn", "weighted")
+        assert len(runs) == 3

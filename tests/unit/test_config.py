@@ -26,16 +26,18 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_repository_params_files_load_and_the_full_profile_keeps_what_the_default_dropped():
     config = load_config(REPO / "params.yaml")
-    assert set(config.variants) >= {
+    assert set(config.variants) == {
         "baseline",
         "onnx_int8",
-        "onnx_int4_weighted",
         "onnx_int4_mixed",
+        "llama_q4_0_mixed",
         "gguf_shipped",
     }
-    assert config.variants["onnx_int4_weighted"].steps[0].onnx_genai.scales == "weighted"
+    mixed = config.variants["onnx_int4_mixed"].steps[0].onnx_genai
+    assert (mixed.scales, mixed.mixed_precision.sensitivity) == ("weighted", "measured")
     full = load_config(REPO / "params.full.yaml")
     moved = {"bf16", "int8_dynamic", "onnx_int4", "onnx_int4_gptq", "pruned_onnx_int8", "distilled_onnx_int8"}
+    moved |= {"onnx_int4_weighted", "llama_q4_k_m"}
     assert set(full.variants) >= set(config.variants) | moved
     assert full.variants["int8_dynamic"].steps[0].kind == "quantize"
 
