@@ -33,6 +33,15 @@ class ConsoleFilter(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], LlmoptError))
 
 
+class ConsoleFormatter(logging.Formatter):
+    """A console line is the message (beside the run's progress lines), with its level when it is a warning or
+    worse; tracebacks stay in the log file."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
+
+
 def route_logs(workdir: Path, command: str) -> Path:
     """Everything to `workdir/logs/<command>-<time>.log`, the console filtered (see ConsoleFilter); returns the
     file. Prefect and MLflow are imported first: they install their handlers on import."""
@@ -67,6 +76,7 @@ def route_logs(workdir: Path, command: str) -> Path:
         for handler in logger.handlers:
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 handler.addFilter(console_filter)
+                handler.setFormatter(ConsoleFormatter())  # the file has the times, the levels, the task runs
         if logger is logging.getLogger() or not logger.propagate:
             logger.addHandler(file_handler)
     os.environ[LOG_ENV] = str(path)

@@ -17,11 +17,11 @@ from flows.cluster import (
     on_benchmark_workers,
     workspace,
 )
-from flows.progress import progress_bar
+from flows.progress import progress_bar, run_progress
 from flows.retries import IO_RETRIES
-from tasks.config import Config, VariantConfig
+from tasks.config import Config, VariantConfig, is_peer_recipe
 from tasks.decide.registry import RegisteredVersion, fetch_version
-from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
+from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
@@ -89,7 +89,7 @@ def optimize_task(name: str, variant: VariantConfig, inputs: Inputs, space: Work
         base = replace(inputs.base, path=space.fetch(inputs.base_stored))
         calibration = read_split(space.fetch(inputs.data_stored), "calibration")
         out_dir = space.local(f"variants/{name}")
-        with progress_bar(f"optimize {name}") as update:
+        with progress_bar("build", name) as update:
             manifest = build_variant(
                 name,
                 variant,
@@ -112,7 +112,7 @@ def evaluate_task(
     with timed("evaluate", built.name) as span:
         folder, saved = space.fetch(built.stored), space.local(f"evaluations/{built.name}.json")
         continuations = reference.evaluation.continuations if reference else None
-        with progress_bar(f"perplexity {built.name}") as update:
+        with progress_bar("evaluate", built.name) as update:
             evaluation, reused = evaluate_or_reuse(
                 folder,
                 built.manifest,
@@ -132,20 +132,22 @@ def evaluate_task(
 
 @task(name="benchmark", task_run_name="benchmark-{name}", cache_policy=NO_CACHE)
 def benchmark_task(
-    name: str, stored: Stored, config: Config, prompt_text: str, space: Workspace
+    name: str, stored: Stored, config: Config, prompt_text: str, space: Workspace, short: bool = False
 ) -> tuple[BenchmarkResult, Span]:
+    """`short`: the variant is outside the accuracy budget, so it gets `BenchmarkConfig.short`."""
     folder = space.fetch(stored)  # before the clock: a download is not part of the measurement
     machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
-    with timed("benchmark", name, machine) as span:
+    settings = config.benchmark.short(config.select.objective) if short else config.benchmark
+    with timed("benchmark", name, machine) as span, progress_bar("benchmark", name):
         result = benchmark_in_fresh_process(
             folder,
-            config.benchmark,
+            settings,
             prompt_text,
             config.target.threads,
             config.target.device,
             config.target.tensor_parallel,
         )
-    return result, span[0]
+    return replace(result, short=short), span[0]
 
 
 @task(name="fingerprint", cache_policy=NO_CACHE)
@@ -217,48 +219,56 @@ def measure_variants(
     texts = read_split(data.folder, "evaluation")
     inputs = Inputs(base, space.publish(base.path), data, space.publish(data.folder))
     order = [name for name, _ in baseline_first(config)]
-    builds = {name: optimize_task.submit(name, config.variants[name], inputs, space) for name in order}
-    evaluations = {}
-    for name in order:
-        reference = evaluations.get(order[0])  # a future: each evaluation waits for the baseline's
-        evaluations[name] = evaluate_task.submit(builds[name], texts, config, reference, space)
-    stand_ins, fetched = {}, {}
-    for label, version in (registered or {}).items():
-        same = [n for n in order if builds[n].result().manifest.model_hash == version.model_hash]
-        stand_ins[label] = same[0] if same else label
-        if not same:
-            with clock.stage("fetch production"):
-                folder = fetch_version_task(
-                    config, version, space.workdir / "registered" / f"v{version.version}"
+    with run_progress({"build": len(order), "evaluate": len(order), "benchmark": 0}) as display:
+        builds = {name: optimize_task.submit(name, config.variants[name], inputs, space) for name in order}
+        evaluations = {}
+        for name in order:
+            reference = evaluations.get(order[0])  # a future: each evaluation waits for the baseline's
+            evaluations[name] = evaluate_task.submit(builds[name], texts, config, reference, space)
+        stand_ins, fetched = {}, {}
+        for label, version in (registered or {}).items():
+            same = [n for n in order if builds[n].result().manifest.model_hash == version.model_hash]
+            stand_ins[label] = same[0] if same else label
+            if not same:
+                with clock.stage("fetch production"):
+                    folder = fetch_version_task(
+                        config, version, space.workdir / "registered" / f"v{version.version}"
+                    )
+                fetched[label] = Built(label, read_manifest(folder), space.publish(folder), None)
+                evaluations[label] = evaluate_task.submit(
+                    fetched[label], texts, config, evaluations[order[0]], space
                 )
-            fetched[label] = Built(label, read_manifest(folder), space.publish(folder), None)
-            evaluations[label] = evaluate_task.submit(
-                fetched[label], texts, config, evaluations[order[0]], space
+            logger.info(f"{label} is measured as {stand_ins[label]}")
+        built = {
+            name: future.result() for name, future in builds.items()
+        } | fetched  # the barrier: nothing runs ...
+        done = {name: future.result() for name, future in evaluations.items()}
+        spans = [b.span for b in built.values() if b.span] + [e.span for e in done.values()]
+        manifests = {name: b.manifest for name, b in built.items()}
+        folders = {name: b.stored for name, b in built.items()}
+        short = outside_budget(config, manifests, {name: e.evaluation for name, e in done.items()})
+        if short:
+            logger.info(
+                f"outside the accuracy budget, so a short benchmark (batch 1; never selected): {', '.join(short)}"
             )
-        logger.info(f"{label} is measured as {stand_ins[label]}")
-    built = {
-        name: future.result() for name, future in builds.items()
-    } | fetched  # the barrier: nothing runs ...
-    done = {name: future.result() for name, future in evaluations.items()}
-    spans = [b.span for b in built.values() if b.span] + [e.span for e in done.values()]
-    manifests = {name: b.manifest for name, b in built.items()}
-    folders = {name: b.stored for name, b in built.items()}
-    with on_benchmark_workers(config):  # ... beside the benchmarks, which run one at a time
-        bandwidth, span = on_benchmark_worker(bandwidth_task.submit(config))
-        spans.append(span)
-        logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
-        results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
-        for trial in range(trials):
-            for name in manifests:
-                result, span = on_benchmark_worker(
-                    benchmark_task.submit(name, folders[name], config, texts[0], space)
-                )
-                results[name].append(result)
-                spans.append(span)
-                perplexity = done[name].evaluation.perplexity.perplexity
-                logger.info(
-                    f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, {result.decode_tok_s:.1f} tok/s"
-                )
+        display.expect("evaluate", len(done))
+        display.expect("benchmark", len(manifests) * trials)
+        with on_benchmark_workers(config):  # ... beside the benchmarks, which run one at a time
+            bandwidth, span = on_benchmark_worker(bandwidth_task.submit(config))
+            spans.append(span)
+            logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
+            results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
+            for trial in range(trials):
+                for name in manifests:
+                    result, span = on_benchmark_worker(
+                        benchmark_task.submit(name, folders[name], config, texts[0], space, name in short)
+                    )
+                    results[name].append(result)
+                    spans.append(span)
+                    perplexity = done[name].evaluation.perplexity.perplexity
+                    logger.info(
+                        f"trial {trial + 1}/{trials} {name}: ppl {perplexity:.2f}, {result.decode_tok_s:.1f} tok/s"
+                    )
     check_benchmarks_clean(str(fingerprint["hash"]), spans, BENCHMARK_RESOURCE)
     for span in spans:
         clock.add(span.kind if span.kind != "bandwidth" else "benchmark", span.seconds)
@@ -266,6 +276,22 @@ def measure_variants(
     return Measurements(
         manifests, evaluated, results, bandwidth, folders, stand_ins, fingerprint, spans, space
     )
+
+
+def outside_budget(
+    config: Config, manifests: dict[str, VariantManifest], evaluations: dict[str, VariantEvaluation]
+) -> list[str]:
+    """This run's variants (not the baseline, not a peer row, not a registered version measured beside them) whose
+    accuracy is outside the budget: they can never be selected, so a short benchmark says enough about them."""
+    base = evaluations[config.select.baseline]
+    return [
+        name
+        for name in config.variants
+        if name != config.select.baseline
+        and name in evaluations
+        and not is_peer_recipe(manifests[name].recipe)
+        and not evaluation_accuracy(base, evaluations[name], config.select).within_budget
+    ]
 
 
 def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_text: str) -> None:

@@ -69,6 +69,21 @@ class BenchmarkConfig(Strict):
     warmup: Annotated[int, Field(ge=0)] = 1
     repeats: Annotated[int, Field(ge=1)] = 3
 
+    def short(self, objective: str) -> BenchmarkConfig:
+        """The benchmark of a variant outside the accuracy budget (it can never be selected, it is still on the
+        leaderboard): batch 1 (and the largest batch when the objective is throughput), TTFT at the decode prompt's
+        length only, a third of the request set."""
+        batches = [1] + (
+            [max(self.batch_sizes)] if objective == "throughput" and max(self.batch_sizes) > 1 else []
+        )
+        return self.model_copy(
+            update={
+                "batch_sizes": batches,
+                "ttft_prompt_tokens": [self.prompt_tokens],
+                "requests": max(1, self.requests // 3),
+            }
+        )
+
     @model_validator(mode="after")
     def _batch_one_measured(self) -> BenchmarkConfig:
         if 1 not in self.batch_sizes:

@@ -135,7 +135,7 @@ def print_leaderboard(board) -> None:
 
     table = Table(
         title=f"Leaderboard, objective {board.objective} (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} "
-        f"at {board.confidence:.0%} confidence; ★ winner, ◆ Pareto frontier, ✗ over budget)"
+        f"at {board.confidence:.0%} confidence; {board.legend()})"
     )
     for column in table_columns(board):
         table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from tasks.config import SelectConfig, is_peer_recipe
 from tasks.decide.frontier import Objective, pareto_frontier
@@ -39,6 +41,9 @@ class VariantScore:
     latency_p95_ms: float = float("nan")  # end-to-end, fixed request set
     roofline_fraction: float = float("nan")  # decode tok/s ÷ (memory bandwidth ÷ weight bytes)
     peer: bool = False  # the source's own GGUF as shipped: on the leaderboard for comparison, never selected
+    short_benchmark: bool = (
+        False  # outside the accuracy budget: measured at batch 1 only (BenchmarkConfig.short)
+    )
 
     def top_batch(self) -> tuple[int, float]:
         """(largest measured batch size, its aggregate decode tok/s)."""
@@ -75,6 +80,7 @@ def variant_score(
         latency_p95_ms=bench.latency_ms["p95"],
         roofline_fraction=roofline_fraction(bench.decode_tok_s, bench.decode_read_bytes, bandwidth_gbs),
         peer=is_peer_recipe(manifest.recipe),
+        short_benchmark=bench.short,
     )
 
 
@@ -157,18 +163,31 @@ class Leaderboard:
             )
         return buffer.getvalue()
 
+    def legend(self) -> str:
+        """What the marks after a variant's name mean (those that occur)."""
+        legend = "★ winner, ◆ Pareto frontier (accuracy, speed, memory), ✗ outside the accuracy budget"
+        if any(r.score.short_benchmark for r in self.rows):
+            legend += (
+                ", ⏱ short benchmark (outside the budget: batch 1 only, one TTFT length, fewer requests)"
+            )
+        return legend
+
     def to_markdown(self) -> str:
         columns = table_columns(self)
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(self)]
         legend = "★ winner, ◆ Pareto frontier (accuracy, speed, memory), ✗ outside the accuracy budget"
+        if any(r.score.short_benchmark for r in self.rows):
+            legend += (
+                ", ⏱ short benchmark (outside the budget: batch 1 only, fewer TTFT lengths and requests)"
+            )
         verdict = f"Winner: **{self.winner}**" if self.winner else "No winner"
         return "\n".join(lines) + f"\n\n{legend}.\n\n{verdict} ({self.reason}; reference: {self.baseline}).\n"
 
 
 def table_columns(board: Leaderboard) -> list[str]:
     """Column headers; the batched-speed column names the largest measured batch size."""
-    top = board.rows[0].score.top_batch()[0] if board.rows else 1
+    top = max((r.score.top_batch()[0] for r in board.rows), default=1)
     return [
         "variant",
         "perplexity",
@@ -188,11 +207,13 @@ def table_columns(board: Leaderboard) -> list[str]:
 
 def table_cells(board: Leaderboard) -> list[list[str]]:
     """Formatted cells of every row, shared by the terminal, markdown and CSV renderings."""
-    cells = []
+    cells, columns_top = [], max((r.score.top_batch()[0] for r in board.rows), default=1)
     for row in board.rows:
         s = row.score
         mark = (" ★" if s.variant == board.winner else "") + (" ◆" if row.on_frontier else "")
         mark += "" if row.within_budget else " ✗"
+        mark += " ⏱" if s.short_benchmark else ""
+        top, top_speed = s.top_batch()
         cells.append(
             [
                 s.variant + mark,
@@ -201,7 +222,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 f"{s.token_agreement:.0%}",
                 f"{s.cloze_accuracy:.0%} (p={row.cloze_p_value:.2f})",
                 f"{s.decode_tok_s:.1f}",
-                f"{s.top_batch()[1]:.1f}",
+                f"{top_speed:.1f}" if top == columns_top else "–",
                 f"{row.speedup:.2f}",
                 f"{s.ttft_ms:.0f}",
                 f"{s.latency_p95_ms:.0f}",
@@ -270,21 +291,60 @@ def constraint_failures(score: VariantScore, speedup: float, cfg: SelectConfig) 
     return failures
 
 
-def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> LeaderboardRow:
+@dataclass(frozen=True)
+class AccuracyCheck:
+    """A variant's accuracy against the baseline's, on the same windows and cloze items."""
+
+    interval: Any  # the paired bootstrap perplexity ratio (ratio, low, high)
+    cloze: Any  # McNemar's exact test on the cloze items
+    within_budget: bool
+    failure: str | None  # why not, in words
+
+
+def check_accuracy(
+    base: tuple[Sequence[float], Sequence[int], Sequence[bool]],
+    variant: tuple[Sequence[float], Sequence[int], Sequence[bool]],
+    cfg: SelectConfig,
+    is_baseline: bool = False,
+) -> AccuracyCheck:
+    """The accuracy budget on (window NLLs, window tokens, cloze correct) of the baseline and a variant: the upper
+    bound of the paired perplexity-ratio interval within `max_ppl_increase`, cloze not significantly worse."""
     interval = paired_bootstrap_ppl_ratio(
-        list(base.window_nll),
-        list(base.window_tokens),
-        list(score.window_nll),
-        list(score.window_tokens),
+        list(base[0]),
+        list(base[1]),
+        list(variant[0]),
+        list(variant[1]),
         cfg.bootstrap_resamples,
         cfg.confidence,
         cfg.seed,
     )
-    cloze = mcnemar_exact(list(base.cloze_correct), list(score.cloze_correct))
+    cloze = mcnemar_exact(list(base[2]), list(variant[2]))
     significantly_worse = cloze.accuracy_delta < 0 and cloze.p_value < 1 - cfg.confidence
-    is_baseline = score.variant == cfg.baseline
     within_budget = is_baseline or (interval.high <= 1 + cfg.max_ppl_increase and not significantly_worse)
-    failures = [] if within_budget else [_accuracy_failure(interval.high, cloze.p_value, cfg)]
+    failure = None if within_budget else _accuracy_failure(interval.high, cloze.p_value, cfg)
+    return AccuracyCheck(interval, cloze, within_budget, failure)
+
+
+def evaluation_accuracy(
+    base: VariantEvaluation, variant: VariantEvaluation, cfg: SelectConfig
+) -> AccuracyCheck:
+    """`check_accuracy` from two evaluations (before anything is benchmarked)."""
+
+    def parts(e: VariantEvaluation) -> tuple[list[float], list[int], list[bool]]:
+        return e.perplexity.window_nll, e.perplexity.window_tokens, e.cloze.correct
+
+    return check_accuracy(parts(base), parts(variant), cfg)
+
+
+def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> LeaderboardRow:
+    check = check_accuracy(
+        (base.window_nll, base.window_tokens, base.cloze_correct),
+        (score.window_nll, score.window_tokens, score.cloze_correct),
+        cfg,
+        is_baseline=score.variant == cfg.baseline,
+    )
+    interval, cloze, within_budget = check.interval, check.cloze, check.within_budget
+    failures = [] if check.failure is None else [check.failure]
     if score.peer:
         failures.insert(0, PEER_FAILURE)
     speedup = score.speed(cfg.objective) / base.speed(cfg.objective)

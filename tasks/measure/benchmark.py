@@ -61,6 +61,8 @@ class BenchmarkResult:
     # the first generate call, untimed elsewhere: where compiling (compile: true) and kernel choice land; a new
     # batch size compiles again inside its own warm-up, outside every timing
     first_call_s: float = 0.0
+    # the short benchmark of a variant outside the accuracy budget (BenchmarkConfig.short)
+    short: bool = False
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")

@@ -177,7 +177,7 @@ def to_html(board: Leaderboard, ctx: ReportContext) -> str:
 <h2>Baseline, production and challenger</h2>
 {_html_table(header, [[name, *cells] for name, cells in rows])}
 <h2>Every variant</h2>{every}
-<p class="muted">★ winner, ◆ Pareto frontier (accuracy, speed, memory), ✗ outside the accuracy budget.
+<p class="muted">{html.escape(board.legend())}.
 {html.escape(board.reason)}</p>
 {images}
 <h2>Machine and time</h2><p>{html.escape(_machine(ctx.fingerprint))}</p><p>{html.escape(ctx.timing)}</p>

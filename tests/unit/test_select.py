@@ -214,3 +214,59 @@ def test_when_the_objective_and_accuracy_tie_the_variant_using_less_memory_wins(
     board = build_leaderboard([tied("baseline", 1.0, 10, 1000.0), *pair], SelectConfig(objective=objective))
     assert board.row("heavy").qualifies and board.winner == "lean"
     assert board.row("lean").on_frontier and not board.row("heavy").on_frontier
+
+
+def test_the_accuracy_check_before_benchmarking_is_the_leaderboards():
+    """`outside_budget` decides on the evaluations alone (before any benchmark) what the leaderboard decides
+    later: the same interval, the same verdict for the same windows and cloze items."""
+    from types import SimpleNamespace
+
+    from tasks.decide.select import evaluation_accuracy
+
+    cfg = SelectConfig(max_ppl_increase=0.05)
+    scores = [
+        score("baseline", 1.0, 10),
+        score("ok", 1.04, 30),
+        score("uneven", 0, 30, per_window=[1.0, 1.08] * 4),
+    ]
+    scores.append(score("worse", 1.0, 30, cloze=(False,) * 12 + (True,) * 18 + (False,) * 34))
+    board = build_leaderboard(scores, cfg)
+
+    def evaluation(s: VariantScore):
+        perplexity = SimpleNamespace(window_nll=list(s.window_nll), window_tokens=list(s.window_tokens))
+        return SimpleNamespace(perplexity=perplexity, cloze=SimpleNamespace(correct=list(s.cloze_correct)))
+
+    for s in scores[1:]:
+        check = evaluation_accuracy(evaluation(scores[0]), evaluation(s), cfg)
+        row = board.row(s.variant)
+        assert (check.within_budget, check.interval.high) == (row.within_budget, row.ppl_ratio_high)
+    assert [s.variant for s in scores if not board.row(s.variant).within_budget] == ["uneven", "worse"]
+
+
+def test_a_short_benchmarked_row_is_marked_and_shows_no_batched_speed():
+    fast = replace(score("fast_but_bad", 1.2, 50), batch_decode_tok_s=((1, 50.0),), short_benchmark=True)
+    full = replace(score("ok", 1.04, 30), batch_decode_tok_s=((1, 30.0), (8, 120.0)))
+    base = replace(score("baseline", 1.0, 10), batch_decode_tok_s=((1, 10.0), (8, 40.0)))
+    board = build_leaderboard([base, fast, full], SelectConfig(max_ppl_increase=0.05))
+    from tasks.decide.select import table_cells, table_columns
+
+    columns = table_columns(board)
+    cells = {c[0].split(" ")[0]: dict(zip(columns, c, strict=True)) for c in table_cells(board)}
+    assert "tok/s bs8" in columns and board.winner == "ok"
+    assert cells["fast_but_bad"]["variant"] == "fast_but_bad ◆ ✗ ⏱"
+    assert cells["fast_but_bad"]["tok/s bs8"] == "–" and cells["ok"]["tok/s bs8"] == "120.0"
+    assert (
+        "⏱ short benchmark" in board.to_markdown()
+        and "⏱" not in build_leaderboard([base, full], SelectConfig()).legend()
+    )
+
+
+@pytest.mark.parametrize(
+    ("objective", "batches"), [("latency", [1]), ("memory", [1]), ("throughput", [1, 8])]
+)
+def test_the_short_benchmark_keeps_what_the_objective_ranks_by(objective, batches):
+    from tasks.config import BenchmarkConfig
+
+    short = BenchmarkConfig().short(objective)
+    assert (short.batch_sizes, short.ttft_prompt_tokens, short.requests) == (batches, [128], 3)
+    assert (short.repeats, short.new_tokens, short.prompt_tokens) == (3, 32, 128)  # batch 1 measured as fully
