@@ -39,6 +39,8 @@ class ConsoleFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:  # the cause, in one line
+            message += f" ({type(record.exc_info[1]).__name__}: {record.exc_info[1]})"
         return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
 
 

@@ -45,7 +45,7 @@ class RunProgress:
         self.console = console
         self.live = line is None and console.is_terminal
         self.line = line or (lambda text: print(text, file=sys.stderr, flush=True))
-        self.progress = _bars(console, enabled=self.live)
+        self.progress = _bars(console, enabled=self.live, refresh_per_second=2)  # light beside a benchmark
         self.overview = self.progress.add_task(
             self.summary(), total=None
         )  # its clock: the run's elapsed time
@@ -97,21 +97,42 @@ class RunProgress:
 def run_progress(stages: dict[str, int], line: Callable[[str], None] | None = None) -> Iterator[RunProgress]:
     """The run's display while the block runs: `stages` maps each stage to how many pieces of work it will do."""
     global _ACTIVE
-    display = RunProgress(stages, Console(stderr=True), line)
-    with display.progress:
+    display, previous = RunProgress(stages, Console(stderr=True), line), _ACTIVE
+    with display.progress, _log_lines_above(display):
         _ACTIVE = display
         try:
             yield display
         finally:
-            _ACTIVE = None
+            _ACTIVE = previous
+
+
+@contextlib.contextmanager
+def _log_lines_above(display: RunProgress) -> Iterator[None]:
+    """While the live block is drawn, the console's log lines print above it (through its console) instead of
+    into it: Prefect's console handlers hold a rich console of their own on the terminal."""
+    import logging
+
+    swapped = []
+    if display.live:
+        for logger in [logging.getLogger(), *logging.root.manager.loggerDict.values()]:
+            for handler in getattr(logger, "handlers", []):
+                if isinstance(getattr(handler, "console", None), Console):
+                    swapped.append((handler, handler.console))
+                    handler.console = display.progress.console
+    try:
+        yield
+    finally:
+        for handler, console in swapped:
+            handler.console = console
 
 
 @contextlib.contextmanager
 def progress_bar(stage: str, name: str) -> Iterator[Callable[[int, int], None]]:
     """An `update(done, total)` callback for `stage` of `name`: a row of the run's display when one is open in this
     process, else a transient bar of its own on a terminal (nothing elsewhere)."""
-    if _ACTIVE is not None:
-        with _ACTIVE.item(stage, name) as update:
+    active = _ACTIVE  # read once: the run's block may close meanwhile in another thread
+    if active is not None:
+        with active.item(stage, name) as update:
             yield update
         return
     console = Console(stderr=True)
@@ -120,7 +141,7 @@ def progress_bar(stage: str, name: str) -> Iterator[Callable[[int, int], None]]:
         yield lambda done, total: progress.update(task_id, completed=done, total=total)
 
 
-def _bars(console: Console, enabled: bool) -> Progress:
+def _bars(console: Console, enabled: bool, refresh_per_second: float = 10) -> Progress:
     """Rows of description, bar, done/total and elapsed time, gone when done (nothing drawn unless `enabled`)."""
     return Progress(
         TextColumn("{task.description}"),
@@ -130,4 +151,5 @@ def _bars(console: Console, enabled: bool) -> Progress:
         console=console,
         transient=True,
         disable=not enabled,
+        refresh_per_second=refresh_per_second,
     )

@@ -137,7 +137,7 @@ def benchmark_task(
     """`short`: the variant is outside the accuracy budget, so it gets `BenchmarkConfig.short`."""
     folder = space.fetch(stored)  # before the clock: a download is not part of the measurement
     machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
-    settings = config.benchmark.short(config.select.objective) if short else config.benchmark
+    settings = config.benchmark.short() if short else config.benchmark
     with timed("benchmark", name, machine) as span, progress_bar("benchmark", name):
         result = benchmark_in_fresh_process(
             folder,
@@ -246,7 +246,8 @@ def measure_variants(
         spans = [b.span for b in built.values() if b.span] + [e.span for e in done.values()]
         manifests = {name: b.manifest for name, b in built.items()}
         folders = {name: b.stored for name, b in built.items()}
-        short = outside_budget(config, manifests, {name: e.evaluation for name, e in done.items()})
+        evaluated = {name: e.evaluation for name, e in done.items()}
+        short = outside_budget(config, manifests, evaluated, exclude=set(stand_ins.values()))
         if short:
             logger.info(
                 f"outside the accuracy budget, so a short benchmark (batch 1; never selected): {', '.join(short)}"
@@ -279,15 +280,20 @@ def measure_variants(
 
 
 def outside_budget(
-    config: Config, manifests: dict[str, VariantManifest], evaluations: dict[str, VariantEvaluation]
+    config: Config,
+    manifests: dict[str, VariantManifest],
+    evaluations: dict[str, VariantEvaluation],
+    exclude: set[str],
 ) -> list[str]:
-    """This run's variants (not the baseline, not a peer row, not a registered version measured beside them) whose
-    accuracy is outside the budget: they can never be selected, so a short benchmark says enough about them."""
+    """This run's variants whose accuracy is outside the budget: they can never be selected, so a short benchmark
+    says enough about them. Not the baseline, not a peer row, not those in `exclude` (the ones standing in for a
+    registered version: production's trials feed the gate, the same benchmark each time)."""
     base = evaluations[config.select.baseline]
     return [
         name
         for name in config.variants
         if name != config.select.baseline
+        and name not in exclude
         and name in evaluations
         and not is_peer_recipe(manifests[name].recipe)
         and not evaluation_accuracy(base, evaluations[name], config.select).within_budget

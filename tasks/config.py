@@ -69,20 +69,19 @@ class BenchmarkConfig(Strict):
     warmup: Annotated[int, Field(ge=0)] = 1
     repeats: Annotated[int, Field(ge=1)] = 3
 
-    def short(self, objective: str) -> BenchmarkConfig:
+    def short(self) -> BenchmarkConfig:
         """The benchmark of a variant outside the accuracy budget (it can never be selected, it is still on the
-        leaderboard): batch 1 (and the largest batch when the objective is throughput), TTFT at the decode prompt's
-        length only, a third of the request set."""
-        batches = [1] + (
-            [max(self.batch_sizes)] if objective == "throughput" and max(self.batch_sizes) > 1 else []
-        )
-        return self.model_copy(
-            update={
-                "batch_sizes": batches,
-                "ttft_prompt_tokens": [self.prompt_tokens],
-                "requests": max(1, self.requests // 3),
-            }
-        )
+        leaderboard): batch 1 and the largest batch (the throughput column and the batch's memory stay comparable),
+        the shortest and longest TTFT prompts (the request set keeps its range of lengths), a third of the
+        requests (too few for a p95: not reported)."""
+        batches = sorted({1, max(self.batch_sizes)})
+        lengths = sorted({min(self.ttft_prompt_tokens), max(self.ttft_prompt_tokens)})
+        update = {
+            "batch_sizes": batches,
+            "ttft_prompt_tokens": lengths,
+            "requests": max(1, self.requests // 3),
+        }
+        return self.model_copy(update=update)
 
     @model_validator(mode="after")
     def _batch_one_measured(self) -> BenchmarkConfig:

@@ -144,7 +144,11 @@ class Leaderboard:
                 **{f"decode_tok_s_bs{b}": round(v, 2) for b, v in row.score.batch_decode_tok_s},
                 "ttft_ms": round(row.score.ttft_ms, 1),
                 **{f"ttft_ms_prompt{n}": round(v, 1) for n, v in row.score.ttft_ms_by_prompt},
-                "latency_p95_ms": round(row.score.latency_p95_ms, 1),
+                **(
+                    {}
+                    if row.score.short_benchmark
+                    else {"latency_p95_ms": round(row.score.latency_p95_ms, 1)}
+                ),
                 "roofline_fraction": round(row.score.roofline_fraction, 4),
                 "size_mb": round(row.score.size_bytes / 1e6, 1),
                 "peak_rss_mb": round(row.score.peak_rss_mb, 1),
@@ -158,8 +162,11 @@ class Leaderboard:
         writer = csv.writer(buffer)
         writer.writerow([*table_columns(self), "parameters", "within_budget", "on_frontier", "failures"])
         for cells, row in zip(table_cells(self), self.rows, strict=True):
+            numbers = [
+                "" if cell == NOT_MEASURED else cell for cell in cells
+            ]  # a blank, for tools reading it
             writer.writerow(
-                [*cells, row.score.parameters, row.within_budget, row.on_frontier, "; ".join(row.failures)]
+                [*numbers, row.score.parameters, row.within_budget, row.on_frontier, "; ".join(row.failures)]
             )
         return buffer.getvalue()
 
@@ -168,7 +175,8 @@ class Leaderboard:
         legend = "★ winner, ◆ Pareto frontier (accuracy, speed, memory), ✗ outside the accuracy budget"
         if any(r.score.short_benchmark for r in self.rows):
             legend += (
-                ", ⏱ short benchmark (outside the budget: batch 1 only, one TTFT length, fewer requests)"
+                ", ⏱ short benchmark (outside the budget, never selected: batch 1 and the largest batch only, the "
+                "shortest and longest TTFT prompts, a third of the requests, so no p95)"
             )
         return legend
 
@@ -176,13 +184,12 @@ class Leaderboard:
         columns = table_columns(self)
         lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(self)]
-        legend = "★ winner, ◆ Pareto frontier (accuracy, speed, memory), ✗ outside the accuracy budget"
-        if any(r.score.short_benchmark for r in self.rows):
-            legend += (
-                ", ⏱ short benchmark (outside the budget: batch 1 only, fewer TTFT lengths and requests)"
-            )
+        legend = self.legend()
         verdict = f"Winner: **{self.winner}**" if self.winner else "No winner"
         return "\n".join(lines) + f"\n\n{legend}.\n\n{verdict} ({self.reason}; reference: {self.baseline}).\n"
+
+
+NOT_MEASURED = "–"  # a cell the row's (short) benchmark did not measure comparably
 
 
 def table_columns(board: Leaderboard) -> list[str]:
@@ -222,10 +229,10 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 f"{s.token_agreement:.0%}",
                 f"{s.cloze_accuracy:.0%} (p={row.cloze_p_value:.2f})",
                 f"{s.decode_tok_s:.1f}",
-                f"{top_speed:.1f}" if top == columns_top else "–",
+                f"{top_speed:.1f}" if top == columns_top else NOT_MEASURED,
                 f"{row.speedup:.2f}",
                 f"{s.ttft_ms:.0f}",
-                f"{s.latency_p95_ms:.0f}",
+                NOT_MEASURED if s.short_benchmark else f"{s.latency_p95_ms:.0f}",
                 f"{s.roofline_fraction:.0%}",
                 f"{s.size_bytes / 1e6:.0f}",
                 f"{s.peak_rss_mb:.0f}",

@@ -186,6 +186,7 @@ def log_variant_run(
             "llmopt.kind": "variant",
             "llmopt.variant": manifest.name,
             "llmopt.fingerprint": fingerprint_hash,
+            "llmopt.benchmark": "short" if bench.short else "full",
             **process_tags(),
         },
     )

@@ -285,15 +285,21 @@ def search(
     if pinned > budget:
         raise ValueError(
             f"mixed_precision.size_budget: {size_budget} leaves no room for {', '.join(sorted(keep_int8))} at "
-            f"8 bits (it needs {(int4_bytes + pinned) / int8_bytes:.1%} of the 8-bit bytes); raise it"
+            f"8 bits (it needs {(int4_bytes + pinned) / int8_bytes:.1%} of the 8-bit bytes); raise it, or let "
+            f"the search choose (lm_head: int4)"
         )
     free = [added[u] for u in units if u not in kept]
     if free and min(free) > budget - pinned:  # the search could only end where it starts
         smallest = pinned + min(free)
         raise ValueError(
             f"mixed_precision.size_budget: {size_budget} leaves no room for any {'group' if group else 'matrix'} "
-            f"at 8 bits (all 4-bit is already {int4_bytes / int8_bytes:.1%} of the 8-bit bytes; the smallest "
-            f"needs {(int4_bytes + smallest) / int8_bytes:.1%})"
+            f"at 8 bits (all 4-bit is already {int4_bytes / int8_bytes:.1%} of the 8-bit bytes"
+            + (
+                f", {(int4_bytes + pinned) / int8_bytes:.1%} with {', '.join(sorted(keep_int8))} at 8 bits"
+                if kept
+                else ""
+            )
+            + f"; the smallest needs {(int4_bytes + smallest) / int8_bytes:.1%})"
         )
 
     was_training = model.training

@@ -57,3 +57,19 @@ def test_console_lines_are_the_message_and_warnings_say_so():
     )
     assert line(logging.WARNING, "slow disk") == "warning: slow disk"
     assert line(logging.ERROR, "it broke") == "error: it broke"
+
+
+def test_a_console_error_line_names_its_exception():
+    import logging
+
+    from flows.logs import ConsoleFormatter
+
+    try:
+        raise OSError("disk full")
+    except OSError:
+        import sys
+
+        record = logging.LogRecord(
+            "distributed", logging.ERROR, __file__, 1, "worker died", (), sys.exc_info()
+        )
+    assert ConsoleFormatter().format(record) == "error: worker died (OSError: disk full)"

@@ -244,7 +244,9 @@ def test_the_accuracy_check_before_benchmarking_is_the_leaderboards():
 
 
 def test_a_short_benchmarked_row_is_marked_and_shows_no_batched_speed():
-    fast = replace(score("fast_but_bad", 1.2, 50), batch_decode_tok_s=((1, 50.0),), short_benchmark=True)
+    fast = replace(
+        score("fast_but_bad", 1.2, 50), batch_decode_tok_s=((1, 50.0), (4, 90.0)), short_benchmark=True
+    )
     full = replace(score("ok", 1.04, 30), batch_decode_tok_s=((1, 30.0), (8, 120.0)))
     base = replace(score("baseline", 1.0, 10), batch_decode_tok_s=((1, 10.0), (8, 40.0)))
     board = build_leaderboard([base, fast, full], SelectConfig(max_ppl_increase=0.05))
@@ -256,17 +258,59 @@ def test_a_short_benchmarked_row_is_marked_and_shows_no_batched_speed():
     assert cells["fast_but_bad"]["variant"] == "fast_but_bad ◆ ✗ ⏱"
     assert cells["fast_but_bad"]["tok/s bs8"] == "–" and cells["ok"]["tok/s bs8"] == "120.0"
     assert (
+        cells["fast_but_bad"]["p95 ms"] == "–" and cells["ok"]["p95 ms"] != "–"
+    )  # too few requests for a p95
+    assert (
+        "latency_p95_ms" not in board.metrics()["fast_but_bad"] and "latency_p95_ms" in board.metrics()["ok"]
+    )
+    import csv
+
+    rows = {r["variant"].split(" ")[0]: r for r in csv.DictReader(board.to_csv().splitlines())}
+    assert (
+        rows["fast_but_bad"]["p95 ms"] == rows["fast_but_bad"]["tok/s bs8"] == ""
+    )  # blank, for tools reading it
+    assert (
         "⏱ short benchmark" in board.to_markdown()
         and "⏱" not in build_leaderboard([base, full], SelectConfig()).legend()
     )
 
 
-@pytest.mark.parametrize(
-    ("objective", "batches"), [("latency", [1]), ("memory", [1]), ("throughput", [1, 8])]
-)
-def test_the_short_benchmark_keeps_what_the_objective_ranks_by(objective, batches):
+def test_the_short_benchmark_keeps_the_columns_it_reports_comparable():
+    """Batch 1 and the largest batch (throughput and that batch's memory), the shortest and longest TTFT prompts
+    (the request set spans the same lengths), a third of the requests; batch 1 measured as fully as ever."""
     from tasks.config import BenchmarkConfig
 
-    short = BenchmarkConfig().short(objective)
-    assert (short.batch_sizes, short.ttft_prompt_tokens, short.requests) == (batches, [128], 3)
-    assert (short.repeats, short.new_tokens, short.prompt_tokens) == (3, 32, 128)  # batch 1 measured as fully
+    short = BenchmarkConfig().short()
+    assert (short.batch_sizes, short.ttft_prompt_tokens, short.requests) == ([1, 8], [32, 512], 3)
+    assert (short.repeats, short.new_tokens, short.prompt_tokens) == (3, 32, 128)
+    assert BenchmarkConfig(batch_sizes=[1], ttft_prompt_tokens=[64]).short().batch_sizes == [1]
+
+
+def test_only_this_runs_own_refused_variants_get_the_short_benchmark(tmp_path):
+    """Outside the budget → short; but never the baseline, the peer row, or a variant standing in for production
+    (its trials feed the gate, which compares like with like)."""
+    from types import SimpleNamespace
+
+    from flows.stages import outside_budget
+    from tasks.params_file import load_config
+
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "variants:\n  baseline: {}\n  good: {}\n  bad: {}\n  production_bytes: {}\n"
+        "  peer: {steps: [{llama_cpp: {type: shipped}}]}\n"
+    )
+    config = load_config(params)
+    ratios = {"baseline": 1.0, "good": 1.01, "bad": 1.2, "production_bytes": 1.2, "peer": 1.2}
+
+    def evaluation(ratio: float):
+        s = score("x", ratio, 1.0)
+        perplexity = SimpleNamespace(window_nll=list(s.window_nll), window_tokens=list(s.window_tokens))
+        return SimpleNamespace(perplexity=perplexity, cloze=SimpleNamespace(correct=list(s.cloze_correct)))
+
+    evaluations = {name: evaluation(ratio) for name, ratio in ratios.items()}
+    manifests = {
+        name: SimpleNamespace(recipe=config.variants[name].model_dump(exclude_defaults=True))
+        for name in ratios
+    }
+    assert outside_budget(config, manifests, evaluations, exclude={"production_bytes"}) == ["bad"]
+    assert outside_budget(config, manifests, evaluations, exclude=set()) == ["bad", "production_bytes"]
