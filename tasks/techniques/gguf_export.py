@@ -63,8 +63,16 @@ class LlamaCppStep(Strict):
             raise ValueError("imatrix_windows applies only with imatrix: true")
         if self.mixed_precision is not None and self.mixed_precision.sensitivity == "predicted":
             raise ValueError(
-                "mixed_precision.sensitivity: llama.cpp's plans are measured per layer (its importance-matrix "
-                "rounding has no torch twin to predict from); leave it out or say measured"
+                "mixed_precision.sensitivity: llama.cpp's plans are measured per layer, in llama.cpp (measured) or on "
+                "its torch twin (simulated); the Fisher prediction ranked the wrong matrices for it"
+            )
+        if (
+            self.mixed_precision is not None
+            and self.mixed_precision.sensitivity == "simulated"
+            and (self.type != "Q4_0" or not self.imatrix)
+        ):
+            raise ValueError(
+                "mixed_precision.sensitivity: simulated has a torch twin for type Q4_0 with imatrix: true only"
             )
         if self.mixed_precision is not None and self.type not in self.MIXABLE:
             raise ValueError(
@@ -233,6 +241,7 @@ def _precision_plan(model: Any, step: LlamaCppStep, f32: Path, imatrix: Any, con
         finally:
             trial.unlink()
 
+    twin = _torch_twin(model, step, context) if settings.sensitivity == "simulated" else None
     with step_arguments("llama_cpp"):
         plan = search(
             model,
@@ -246,9 +255,29 @@ def _precision_plan(model: Any, step: LlamaCppStep, f32: Path, imatrix: Any, con
             measure=measure,
             scale_bytes=gguf.SCALE_BYTES,
             group=gguf.layer_of,
+            int4_weights=twin,
+            groups_in_torch=twin is not None,
         )
+    if twin is not None:
+        plan.sensitivity = "simulated per layer (torch twin), plans measured in llama.cpp"
     plan.kept_as = gguf.PLAN_TYPES[8]
     return plan
+
+
+def _torch_twin(model: Any, step: LlamaCppStep, context: Any) -> dict[str, Any]:
+    """Every decoder matrix on llama.cpp's Q4_0-with-importance-matrix grid, simulated in torch: symmetric blocks of
+    32, each block's scale chosen by llama.cpp's own search (make_qx_quants) weighted by the mean squared input on
+    the calibration windows the importance matrix reads. Rounded with the ONNX export's matrices and windows, so
+    the statistics cache gives both the same result once."""
+    from tasks.techniques.gptq_rounding import round_matrices
+    from tasks.techniques.mixed_precision import export_matrices
+
+    windows = context.sequences(context.tokenizer, WINDOW_TOKENS, limit=step.imatrix_windows)
+    modules = dict(model.named_modules())
+    with step_arguments("llama_cpp"):
+        chosen = {name: modules[name] for m in export_matrices(model) for name in m.modules}
+    rounded = round_matrices(model, chosen, windows, gguf.BLOCK, "rtn", "weighted", context.report)
+    return {name: weights.dequantized() for name, weights in rounded.items()}
 
 
 def _shipped(dest: Path, context: Any) -> tuple[str, int]:

@@ -42,9 +42,10 @@ class MixedPrecision(Strict):
     windows: Annotated[int, Field(ge=1, le=4096)] = 16  # calibration windows the search measures on ...
     window_tokens: Annotated[int, Field(ge=16, le=8192)] = 256  # ... of this many tokens
     # each unit's saving at 8 bits: predicted per matrix from the Fisher diagonal, or measured per decoder layer (and
-    # the lm_head) on a quarter of the windows; null: the engine's own (ONNX predicted, llama.cpp measured: its
-    # importance-matrix rounding has no torch twin)
-    sensitivity: Literal["predicted", "measured"] | None = None
+    # the lm_head) on a quarter of the windows: in the engine (`measured`; for ONNX that is the simulated grid, which
+    # is its exact twin) or, for llama.cpp, on its torch twin (`simulated`: importance-weighted Q4_0-style scales,
+    # the plans still measured in llama.cpp); null: predicted for ONNX, measured for llama.cpp
+    sensitivity: Literal["predicted", "measured", "simulated"] | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ def search(
     int4_weights: dict[str, Any] | None = None,
     shared_int8_table: bool = True,
     keep_int8: frozenset[str] = frozenset(),
+    groups_in_torch: bool = False,
 ) -> PrecisionPlan:
     """The per-matrix precision plan for `model` (left as it was) from the calibration `windows`.
 
@@ -218,7 +220,10 @@ def search(
     a float32 copy for it, which keeping the lm_head at int8 costs).
     `keep_int8`: nodes at 8 bits from the start, whatever their cost (e.g. a tied lm_head, whose Fisher cost sees
     only its output role, not the embedding lookups that read the same table); their bytes come out of the budget
-    and the search chooses the rest."""
+    and the search chooses the rest.
+    `groups_in_torch`: with `group` and a `measure` of the caller's, each group's saving is measured on the
+    simulated grid in torch instead (with `int4_weights` as the 4-bit twin of the caller's rounding), a quarter of
+    the windows; only the plans go through `measure`."""
     import torch
 
     if not windows:
@@ -260,6 +265,7 @@ def search(
         return loss(windows[: max(1, len(windows) // 4)] if quick else windows)  # quick: a group's saving
 
     measure = measure or simulated
+    quick = simulated if groups_in_torch else measure  # a group's saving, on a quarter of the windows
     size = {
         m.node: {bits: matrix_bytes(m.parameters, bits, block, symmetric, scale_bytes) for bits in (4, 8)}
         for m in matrices
@@ -335,10 +341,10 @@ def search(
         elif int4_loss - base_loss <= math.log1p(target_ppl_increase):  # nothing to keep: no per-group runs
             costs = {m.node: (0.0, 0.0) for m in matrices}
         else:
-            int4_quick = measure(all_int4, quick=True)
+            int4_quick = quick(all_int4, quick=True)
             for index, members in enumerate(units.values()):  # kept ones too: what they save is predicted
                 report("sensitivity", index, len(units))
-                saving = int4_quick - measure(all_int4 | {m.node: 8 for m in members}, quick=True)
+                saving = int4_quick - quick(all_int4 | {m.node: 8 for m in members}, quick=True)
                 weight = sum(m.parameters for m in members)
                 for m in members:  # a group's measured saving, shared by parameters (for the report)
                     costs[m.node] = (saving * m.parameters / weight, 0.0)

@@ -214,7 +214,7 @@ def _mixed_precision_plan(
             int4_weights=int4,
             shared_int8_table=shared,
             keep_int8=frozenset({"/lm_head/MatMul"} if export.lm_head == "int8" else ()),
-            group=export_layer_of if settings.sensitivity == "measured" else None,
+            group=export_layer_of if settings.sensitivity in ("measured", "simulated") else None,
         )
 
 

@@ -183,6 +183,44 @@ def test_llama_cpp_keeps_the_planted_layer_at_q8_0_and_the_rest_at_q4_0_using_ca
     assert "7 of 14 matrices kept at Q8_0" in " ".join(built.manifest.notes)
 
 
+def test_llama_cpp_ranks_layers_on_its_torch_twin_and_measures_only_the_plans(
+    planted_base, tmp_path, monkeypatch
+):
+    """`sensitivity: simulated`: each layer's saving at Q8_0 comes from the torch twin of Q4_0 with an importance
+    matrix (no llama.cpp quantization per layer), the plans from llama.cpp; the planted layer is still the one
+    kept, and llama.cpp quantized a trial GGUF only for the plans."""
+    from tasks.techniques import gguf
+    from tasks.techniques.gguf import tensor_types
+
+    trials = []
+    real_quantize = gguf.quantize_gguf
+
+    def quantize(source, dest, *args, **kwargs):
+        if dest.name == "plan.gguf":
+            trials.append(dict(kwargs.get("tensor_types") or {}))
+        return real_quantize(source, dest, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "quantize_gguf", quantize)
+    settings = RECIPE["steps"][0]["onnx_genai"]["mixed_precision"] | {
+        "size_budget": 0.8,
+        "sensitivity": "simulated",
+    }
+    recipe = {"steps": [{"llama_cpp": {"type": "Q4_0", "imatrix": True, "mixed_precision": settings}}]}
+    built, folder = _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch)
+    plan = built.manifest.mixed_precision
+    kept = {m["node"] for m in plan["matrices"] if m["bits"] == 8}
+    assert {node.split(".")[1] for node in kept} == {"1"} and len(kept) == 7, plan
+    assert plan["sensitivity"].startswith("simulated per layer")
+    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
+    assert len(trials) == 2  # all-Q4_0 and the one plan; per layer it would have been 2 more
+    stored = tensor_types(folder / "model.gguf")
+    assert all(stored[node] == "Q8_0" for node in kept)
+    with pytest.raises(ValueError, match="simulated has a torch twin for type Q4_0 with imatrix: true only"):
+        VariantConfig.model_validate(
+            {"steps": [{"llama_cpp": {"type": "Q4_0", "mixed_precision": settings}}]}
+        )
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_the_simulated_grid_is_onnxruntimes_blockwise_rounding(bits, symmetric):
