@@ -250,7 +250,7 @@ def measure_variants(
         short = outside_budget(config, manifests, evaluated, exclude=set(stand_ins.values()))
         if short:
             logger.info(
-                f"outside the accuracy budget, so a short benchmark (batch 1; never selected): {', '.join(short)}"
+                f"outside the accuracy budget, so a short benchmark (never selected): {', '.join(short)}"
             )
         display.expect("evaluate", len(done))
         display.expect("benchmark", len(manifests) * trials)
