@@ -24,6 +24,10 @@ class ConsoleFilter(logging.Filter):
         self.own_folders = own_folders
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            getattr(record, "console", True) is False
+        ):  # for the log (and Prefect's UI): the CLI prints it itself
+            return False
         if record.pathname.startswith(self.own_folders):
             return True
         from tasks.errors import LlmoptError

@@ -310,6 +310,9 @@ def _store_verdict(model: str, version: str, verdict: Verdict, fingerprint: str)
     MlflowClient().set_model_version_tag(model, version, "llmopt.verdict", json.dumps(evidence)[:5000])
 
 
+CONSOLE_ELSEWHERE = {"console": False}  # a record the console filter leaves to the log file (flows/logs.py)
+
+
 def _finish(outcome: PipelineOutcome) -> PipelineOutcome:
-    get_run_logger().info(outcome.summary())
+    get_run_logger().info(outcome.summary(), extra=CONSOLE_ELSEWHERE)  # the command's last line says it
     return outcome

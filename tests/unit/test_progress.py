@@ -73,3 +73,26 @@ def test_a_console_error_line_names_its_exception():
             "distributed", logging.ERROR, __file__, 1, "worker died", (), sys.exc_info()
         )
     assert ConsoleFormatter().format(record) == "error: worker died (OSError: disk full)"
+
+
+def test_a_record_marked_for_elsewhere_stays_off_the_console_and_llmopts_own_lines_pass():
+    """The run's outcome is logged (for the log file and Prefect's UI) and printed by the command as its last
+    line: the console shows it once."""
+    import logging
+    from pathlib import Path
+
+    import flows
+    from flows.logs import ConsoleFilter
+    from flows.pipeline import CONSOLE_ELSEWHERE
+
+    own = str(Path(flows.__file__).parent) + "/"
+    console = ConsoleFilter((own,))
+
+    def record(**extra) -> logging.LogRecord:
+        made = logging.LogRecord(
+            "prefect.flow_runs", logging.INFO, own + "pipeline.py", 1, "production → v1", (), None
+        )
+        made.__dict__.update(extra)
+        return made
+
+    assert console.filter(record()) and not console.filter(record(**CONSOLE_ELSEWHERE))
