@@ -265,7 +265,7 @@ def search(
         return loss(windows[: max(1, len(windows) // 4)] if quick else windows)  # quick: a group's saving
 
     measure = measure or simulated
-    quick = simulated if groups_in_torch else measure  # a group's saving, on a quarter of the windows
+    group_measure = simulated if groups_in_torch else measure  # a group's saving, on a quarter of the windows
     size = {
         m.node: {bits: matrix_bytes(m.parameters, bits, block, symmetric, scale_bytes) for bits in (4, 8)}
         for m in matrices
@@ -341,10 +341,10 @@ def search(
         elif int4_loss - base_loss <= math.log1p(target_ppl_increase):  # nothing to keep: no per-group runs
             costs = {m.node: (0.0, 0.0) for m in matrices}
         else:
-            int4_quick = quick(all_int4, quick=True)
+            int4_quick = group_measure(all_int4, quick=True)
             for index, members in enumerate(units.values()):  # kept ones too: what they save is predicted
                 report("sensitivity", index, len(units))
-                saving = int4_quick - quick(all_int4 | {m.node: 8 for m in members}, quick=True)
+                saving = int4_quick - group_measure(all_int4 | {m.node: 8 for m in members}, quick=True)
                 weight = sum(m.parameters for m in members)
                 for m in members:  # a group's measured saving, shared by parameters (for the report)
                     costs[m.node] = (saving * m.parameters / weight, 0.0)
