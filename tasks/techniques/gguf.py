@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from tasks.errors import BuildError
-from tasks.techniques.calibration import capture_inputs, mean_square
 
 CONVERTER_DIR = Path(sys.prefix) / "share" / "llama.cpp"  # filled by `make install`
 CONVERTER = CONVERTER_DIR / "convert_hf_to_gguf.py"
@@ -128,17 +127,25 @@ def quantize_gguf(
 def importance_matrix(
     model: Any, windows: list[list[int]], progress: Callable[[str, int, int], None] | None = None
 ) -> dict[str, list[float]]:
-    """Per GGUF weight tensor: the mean over calibration tokens of each input column's squared activation."""
+    """Per GGUF weight tensor: the mean over calibration tokens of each input column's squared activation.
+
+    Captured over every linear module that becomes a GGUF matrix plus the lm_head, keyed by module name: for a
+    Llama-style model that is the ONNX export's capture for importance-weighted scales (same modules, statistic and
+    windows), so inside the statistics cache the two exports share one calibration pass."""
     import torch
 
+    from tasks.techniques.gptq_rounding import calibration_inputs
+
     modules = {
-        name: module
+        module_name: module
         for module_name, module in model.named_modules()
-        if (name := gguf_tensor_name(module_name, model)) is not None and isinstance(module, torch.nn.Linear)
+        if isinstance(module, torch.nn.Linear)
+        and (module_name == "lm_head" or gguf_tensor_name(module_name, model) is not None)
     }
     report = (lambda done, total: progress("imatrix", done, total)) if progress else None
-    means = capture_inputs(model, modules, windows, mean_square, report).means()
-    return {name: means[name].float().tolist() for name in sorted(means)}
+    means = calibration_inputs(model, modules, windows, report, hessians=False).importance
+    named = {gguf_tensor_name(module_name, model): mean for module_name, mean in means.items()}
+    return {name: named[name].tolist() for name in sorted(n for n in named if n is not None)}
 
 
 def gguf_tensor_name(module_name: str, model: Any) -> str | None:

@@ -341,10 +341,32 @@ def search(
         elif int4_loss - base_loss <= math.log1p(target_ppl_increase):  # nothing to keep: no per-group runs
             costs = {m.node: (0.0, 0.0) for m in matrices}
         else:
-            int4_quick = group_measure(all_int4, quick=True)
-            for index, members in enumerate(units.values()):  # kept ones too: what they save is predicted
+            quick_windows = windows[: max(1, len(windows) // 4)]
+            suffixes, starts = None, {}
+            if group_measure is simulated:  # a layer's saving runs that layer on, from cached inputs
+                set_bits(all_int4)
+                suffixes = LayerSuffixes(model, quick_windows)
+                int4_quick = suffixes.full_loss
+                starts = {
+                    unit: suffixes.first_layer(n for m in ms for n in m.modules) for unit, ms in units.items()
+                }
+
+                def eight_bit(unit: str) -> None:
+                    set_bits(all_int4 | {m.node: 8 for m in units[unit]})
+
+                if not suffixes.agrees(starts, eight_bit, lambda: loss(quick_windows)):
+                    suffixes = None
+            else:
+                int4_quick = group_measure(all_int4, quick=True)
+            # kept units too: what they save is reported
+            for index, (unit, members) in enumerate(units.items()):
                 report("sensitivity", index, len(units))
-                saving = int4_quick - group_measure(all_int4 | {m.node: 8 for m in members}, quick=True)
+                plan_8 = all_int4 | {m.node: 8 for m in members}
+                if suffixes is not None and starts[unit] is not None:
+                    set_bits(plan_8)
+                    saving = int4_quick - suffixes.loss(starts[unit])
+                else:
+                    saving = int4_quick - group_measure(plan_8, quick=True)
                 weight = sum(m.parameters for m in members)
                 for m in members:  # a group's measured saving, shared by parameters (for the report)
                     costs[m.node] = (saving * m.parameters / weight, 0.0)
@@ -407,6 +429,86 @@ def search(
         matrices=choices,
         sensitivity="measured per layer" if group else "predicted",
     )
+
+
+class LayerSuffixes:
+    """The hidden states entering each decoder layer over `windows`, with the model's weights as they are now, so a
+    change confined to layers ≥ L is measured by running layers L.. only: the layers before L give exactly these
+    inputs again. Measuring every decoder layer's saving this way runs half the layers a full pass would."""
+
+    def __init__(self, model: Any, windows: list[list[int]]) -> None:
+        import torch
+
+        self.model, self.windows = model, windows
+        self.layers = model.model.layers
+        names = {id(module): name for name, module in model.named_modules()}
+        self.prefixes = [names[id(layer)] + "." for layer in self.layers]
+        self.inputs: list[list[Any]] = [[None] * len(self.layers) for _ in windows]
+        current = [0]
+
+        def keep(index: int) -> Callable[..., None]:
+            def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                self.inputs[current[0]][index] = hidden.detach().clone()
+
+            return hook
+
+        handles = [
+            layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(self.layers)
+        ]
+        total, tokens = 0.0, 0
+        try:
+            with torch.no_grad():
+                for current[0], ids in enumerate(windows):
+                    batch = torch.tensor([ids])
+                    total += model(input_ids=batch, labels=batch).loss.item() * (len(ids) - 1)
+                    tokens += len(ids) - 1
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.full_loss = total / tokens
+
+    def first_layer(self, module_names: Any) -> int | None:
+        """The first decoder layer holding any of `module_names`; None when one is outside the decoder layers (an
+        embedding, an lm_head: tied or not, the whole pass is measured)."""
+        found = []
+        for name in module_names:
+            index = next((i for i, prefix in enumerate(self.prefixes) if name.startswith(prefix)), None)
+            if index is None:
+                return None
+            found.append(index)
+        return min(found) if found else None
+
+    def loss(self, start: int) -> float:
+        """Mean loss per token over the windows running layers `start`.. (and the final norm and head) from the
+        cached inputs of layer `start`."""
+        import torch
+
+        decoder = self.model.model
+        total, tokens = 0.0, 0
+        try:
+            decoder.layers = torch.nn.ModuleList(list(self.layers)[start:])
+            with torch.no_grad():
+                for ids, inputs in zip(self.windows, self.inputs, strict=True):
+                    batch = torch.tensor([ids])
+                    out = self.model(inputs_embeds=inputs[start], labels=batch, use_cache=False)
+                    total += out.loss.item() * (len(ids) - 1)
+                    tokens += len(ids) - 1
+        finally:
+            decoder.layers = self.layers
+        return total / tokens
+
+    def agrees(
+        self, starts: dict[str, int | None], set_unit: Callable[[str], None], full: Callable[[], float]
+    ) -> bool:
+        """Whether the shortcut gives the full pass's loss for the unit that skips the most layers (a model whose
+        layers depend on more than their input, e.g. on their position in the stack, must not use it)."""
+        inside = {unit: start for unit, start in starts.items() if start}
+        if not inside:
+            return False
+        unit = max(inside, key=inside.__getitem__)
+        set_unit(unit)
+        return math.isclose(self.loss(inside[unit]), full(), rel_tol=1e-6, abs_tol=1e-9)
 
 
 def _fisher_diagonal(

@@ -196,3 +196,26 @@ def test_a_capture_is_read_back_for_the_same_inputs_and_run_again_when_any_chang
         assert not torch.equal(capture(), first) and len(runs) == 5
     capture_inputs(model, {"down": mlp.down_proj}, windows, mean_square)
     assert len(runs) == 6  # outside the block nothing is cached
+
+
+def test_the_importance_matrix_reuses_the_onnx_weighted_scales_capture(
+    model, tokenizer, tmp_path, monkeypatch
+):
+    """llama.cpp's importance matrix and the ONNX export's importance-weighted scales read the same statistic of
+    the same inputs: with the statistics cache one calibration pass serves both (either order)."""
+    import tasks.techniques.calibration as calibration
+    from tasks.techniques import gguf
+
+    runs = []
+    real_capture = calibration._capture
+    monkeypatch.setattr(calibration, "_capture", lambda *args: runs.append(1) or real_capture(*args))
+    export = OnnxGenAIStep(precision="int4", scales="weighted")
+    context = BuildContext(synthetic_sentences(600, seed=3), tmp_path / "checkpoints", tokenizer=tokenizer)
+    windows = context.sequences(tokenizer, WINDOW_TOKENS, limit=32)
+    uncached = gguf.importance_matrix(model, windows)
+    with calibration.statistics_cache(tmp_path / "stats"):
+        _calibrated_int4(model, export, context, [])
+        assert len(runs) == 2  # the uncached one, then the export's
+        cached = gguf.importance_matrix(model, windows)
+    assert len(runs) == 2  # read back
+    assert cached == uncached and "blk.0.attn_q.weight" in cached and "output.weight" not in cached

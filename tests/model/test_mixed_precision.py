@@ -539,3 +539,35 @@ def test_rounded_matrices_are_computed_once_per_base_windows_and_settings(
         gptq_rounding.round_matrices(model, modules, windows, 32, "gptq", "weighted")
         gptq_rounding.round_matrices(model, modules, windows, 16, "rtn", "weighted")
         assert len(runs) == 3
+
+
+def test_a_layers_saving_measured_from_its_cached_inputs_is_the_full_pass_s(planted_base, monkeypatch):
+    """The measured search runs each decoder layer's 8-bit trial from the cached inputs of that layer: every unit's
+    saving, and so the plan, is exactly what full passes give (the shortcut is checked at run time too)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.techniques import mixed_precision
+    from tasks.techniques.mixed_precision import LayerSuffixes, export_layer_of, search
+
+    model = AutoModelForCausalLM.from_pretrained(planted_base.path).eval()
+    ids = AutoTokenizer.from_pretrained(planted_base.path)(" ".join(synthetic_sentences(200, seed=8)))[
+        "input_ids"
+    ]
+    windows = [ids[i : i + 64] for i in range(0, 64 * 8, 64)]
+    run = lambda: search(model, windows, 0.001, 0.9, 32, True, group=export_layer_of)  # noqa: E731
+    shortcut = run()
+    monkeypatch.setattr(LayerSuffixes, "agrees", lambda *_: False)  # full passes only
+    full = run()
+    assert [(c.node, c.bits) for c in shortcut.matrices] == [(c.node, c.bits) for c in full.matrices]
+    for a, b in zip(shortcut.matrices, full.matrices, strict=True):
+        assert a.int4_cost == pytest.approx(b.int4_cost, rel=1e-6, abs=1e-9)
+    assert any(c.int4_cost != 0 for c in full.matrices)
+    # a layer that depends on more than its input (here: its position in the stack) is caught, and not shortcut
+    calls = []
+    real = mixed_precision.LayerSuffixes.loss
+    monkeypatch.undo()
+    monkeypatch.setattr(
+        LayerSuffixes, "loss", lambda self, start: calls.append(start) or real(self, start) + 1.0
+    )
+    assert [(c.node, c.bits) for c in run().matrices] == [(c.node, c.bits) for c in full.matrices]
+    assert len(calls) == 1  # the check only

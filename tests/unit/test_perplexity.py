@@ -91,3 +91,20 @@ def test_cloze_accuracy_compares_the_first_generated_word_case_insensitively():
     result = cloze_accuracy(EchoRuntime(), cloze_items([text], 10, 3), max_new_tokens=4)
     assert result.correct == [False, True]
     assert result.accuracy == 0.5
+
+
+def test_next_token_nll_is_the_float64_log_softmax_of_each_next_token():
+    import numpy as np
+
+    from tasks.engines.contract import next_token_nll
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((6, 50)) * 30).astype(np.float16)  # large logits: the max shift matters
+    ids = [3, 7, 0, 49, 12, 5]
+    rows = logits.astype(np.float64)
+    expected = sum(
+        np.log(np.exp(rows[i] - rows[i].max()).sum()) + rows[i].max() - rows[i, ids[i + 1]] for i in range(5)
+    )
+    total, count = next_token_nll(logits, ids)
+    assert count == 5 and total == pytest.approx(expected, rel=1e-12)
+    assert next_token_nll(logits, ids[:1]) == (0.0, 0)
