@@ -339,11 +339,11 @@ class ServeConfig(Strict):
     max_batch: Annotated[int, Field(ge=1, le=64)] = 8
     # Requests waiting per model beyond the batch; more get 429 with Retry-After instead of an unbounded wait.
     max_queue: Annotated[int, Field(ge=1, le=10_000)] = 64
-    # Chunked prefill: a prompt longer than this many tokens joins in slices of it, each fused into one engine call
-    # with the running requests' decode step, so they keep streaming while it arrives (engines that can fuse: llama.cpp;
-    # others run prompts whole). 0: every prompt is run whole before the next step.
+    # Chunked prefill: a prompt longer than this many tokens joins in slices of it, each beside the running requests'
+    # decode step (in its engine call: llama.cpp; in a call right after it: ONNX; torch runs prompts whole), so they
+    # keep streaming while it arrives. 0: every prompt is run whole before the next step.
     prefill_chunk: Annotated[int, Field(ge=0, le=8192)] = 0
-    # Prefix reuse (llama.cpp): a prompt starting like a sequence in the cache takes its cells for the shared part
+    # Prefix reuse (llama.cpp, ONNX): a prompt starting like a sequence in the cache takes its K/V for the shared part
     prefix_reuse: bool = True
     request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0  # queued + generating, then 504
     # Clients must send `Authorization: Bearer <key>` when this environment variable is set (and not empty).

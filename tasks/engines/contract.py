@@ -114,7 +114,8 @@ class BatchDecoder(abc.ABC):
     between steps. Logits are float32 arrays over the vocabulary for each sequence's next token."""
 
     steps: int = 0  # engine calls so far (a prompt run alone counts one, a step of all sequences one)
-    # Whether prompts may join in slices fused into steps (`open` + `step_with_prefill`; see serve.prefill_chunk)
+    # Whether prompts may join in slices between steps (`open` + `step_with_prefill`; see serve.prefill_chunk):
+    # fused into the running sequences' engine call (llama.cpp) or in a call of its own right after it (ONNX)
     chunked_prefill: bool = False
     # Whether a newcomer may take the cache of a prompt start another sequence holds (decoders that can; set by
     # the server from serve.prefix_reuse)
@@ -129,7 +130,7 @@ class BatchDecoder(abc.ABC):
         self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
     ) -> tuple[dict[int, Any], Any]:
         """`step(tokens)` for the running sequences and the next `chunk` of an opened sequence's prompt, in one
-        engine call; (the running sequences' logits, the logits after the chunk's last token). After its `last`
+        engine call or one right after the other (`chunked_prefill`); (the running sequences' logits, the logits after the chunk's last token). After its `last`
         chunk the sequence runs with the others (`step` then needs its token too)."""
         raise NotImplementedError(f"{type(self).__name__} runs prompts whole")
 
@@ -162,6 +163,16 @@ def next_token_nll(logits: Any, ids: list[int]) -> tuple[float, int]:
     rows = torch.from_numpy(np.ascontiguousarray(logits[: len(targets)])).double()
     log_probs = torch.log_softmax(rows, dim=-1)
     return float(-log_probs.gather(1, targets[:, None]).sum()), len(targets)
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit` (a decoder's prefix reuse)."""
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if count >= limit or x != y:
+            break
+        count += 1
+    return count
 
 
 def cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:

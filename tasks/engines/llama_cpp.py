@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, Runtime, next_token_nll
+from tasks.engines.contract import BatchDecoder, Runtime, common_prefix, next_token_nll
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ArtifactError, EngineError
 
@@ -239,7 +239,7 @@ class LlamaCppBatchDecoder(BatchDecoder):
             raise ValueError(f"the decoder already steps {self._context.sequences} sequences")
         shared, source = 0, None
         for other, held in self._tokens.items() if self.reuse_prefixes else ():
-            length = _common_prefix(held, prompt or [], limit=len(prompt or []) - 1)
+            length = common_prefix(held, prompt or [], limit=len(prompt or []) - 1)
             if length > shared:
                 shared, source = length, other
         self._next_id += 1
@@ -306,16 +306,6 @@ class LlamaCppBatchDecoder(BatchDecoder):
         self._context.forget(self._slots.pop(sequence))
         del self._lengths[sequence], self._tokens[sequence]
         self._filling.discard(sequence)
-
-
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """How many leading tokens `a` and `b` share, at most `limit`."""
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if count >= limit or x != y:
-            break
-        count += 1
-    return count
 
 
 def _room_for(tokens: int) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, Runtime, next_token_nll
+from tasks.engines.contract import BatchDecoder, Runtime, common_prefix, next_token_nll
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ArtifactError
 
@@ -80,7 +80,15 @@ class OrtBatchDecoder(BatchDecoder):
     writes in place (past and present bound to the same memory, as ONNX Runtime GenAI does): a step copies no
     cache. The attention mask gives every row its own length, and the graph's GroupQueryAttention derives each
     row's positions and where its new key goes from that mask, so a row computes exactly what it computes alone.
-    Rows are rebuilt only when a sequence joins or leaves, or the buffer must grow."""
+    Rows are rebuilt only when a sequence joins or leaves, or the buffer must grow.
+
+    Prefix reuse: a newcomer whose prompt starts like a running sequence's tokens gets a copy of that row's keys
+    and values for the shared positions and runs only the rest of its prompt (the same tokens at the same
+    positions). Chunked prefill: the graph takes one new-token count per call, so a joining prompt's slice cannot
+    share the running rows' call as in llama.cpp; it gets its own call right after theirs, which bounds what a
+    running stream waits per token just the same."""
+
+    chunked_prefill = True  # a prompt's slice runs in its own call between steps (see above)
 
     def __init__(self, model_path: Path, kv_shape: tuple[int, int], threads: int) -> None:
         import onnxruntime as ort
@@ -99,18 +107,73 @@ class OrtBatchDecoder(BatchDecoder):
         self._cache: list[np.ndarray] = []  # per cache input: [rows, kv_heads, capacity, head_size]
         self._binding: Any = None
         self._next_id = 0
+        self._tokens: list[list[int]] = []  # what each row's cache holds, position by position
+        self._partial: dict[int, tuple[list[int], list[np.ndarray]]] = {}  # opened: (tokens in, their K/V)
+        self.reused_tokens = 0  # prompt tokens copied from another row's cache instead of computed
 
     @property
     def active(self) -> int:
-        return len(self._ids)
+        return len(self._ids) + len(self._partial)
+
+    def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
+        """A new sequence fed by `step_with_prefill`; with `prompt`, holding already the longest start of it a
+        running row holds (at most all but its last token). (its id, how many of the prompt's tokens it holds)."""
+        tokens, cache = self._shared_start(prompt or [])
+        self._next_id += 1
+        self._partial[self._next_id] = (tokens, cache)
+        return self._next_id, len(tokens)
 
     def add(self, prompt: list[int]) -> tuple[int, Any]:
+        sequence, held = self.open(prompt)
+        try:
+            logits = self._extend(sequence, prompt[held:])
+        except Exception:
+            self.remove(sequence)
+            raise
+        self._join(sequence)
+        return sequence, logits
+
+    def step_with_prefill(
+        self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
+    ) -> tuple[dict[int, Any], Any]:
+        if sequence not in self._partial or not chunk:
+            raise ValueError(f"sequence {sequence} is not an opened one still filling, or the chunk is empty")
+        stepped = self.step(tokens) if self._ids else {}
+        logits = self._extend(sequence, chunk)
+        if last:  # its prompt is complete: it steps with the others from the next call on
+            self._join(sequence)
+        return stepped, logits
+
+    def _shared_start(self, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
+        """The longest start of `prompt` (all but its last token at most) a row holds, with a copy of its K/V."""
+        shared, source = 0, None
+        for row, held in enumerate(self._tokens) if self.reuse_prefixes else ():
+            length = common_prefix(held, prompt, limit=len(prompt) - 1)
+            if length > shared:
+                shared, source = length, row
+        if source is None:
+            empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
+            return [], [empty for _ in self._past]
+        self.reused_tokens += shared
+        cache = [np.ascontiguousarray(kv[source : source + 1, :, :shared]) for kv in self._cache]
+        return list(prompt[:shared]), cache
+
+    def _extend(self, sequence: int, chunk: list[int]) -> Any:
+        """Run `chunk` after what the opened `sequence` holds, in its own call; the logits after its last token."""
+        held, cache = self._partial[sequence]
         self.steps += 1
-        ids = np.asarray([prompt], dtype=np.int64)
-        empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
-        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), **dict.fromkeys(self._past, empty)}
-        logits, *present = self._session.run(None, feeds)
-        capacity = max(self._capacity, _room_for(len(prompt)))
+        ids = np.asarray([chunk], dtype=np.int64)
+        mask = np.ones((1, len(held) + len(chunk)), dtype=np.int64)
+        logits, *present = self._session.run(
+            None, {"input_ids": ids, "attention_mask": mask, **dict(zip(self._past, cache, strict=True))}
+        )
+        self._partial[sequence] = (held + list(chunk), present)
+        return logits[0, -1].astype(np.float32)
+
+    def _join(self, sequence: int) -> None:
+        """The opened `sequence`, its prompt complete, becomes a row of the stepped buffer."""
+        tokens, present = self._partial.pop(sequence)
+        capacity = max(self._capacity, _room_for(len(tokens)))
         rows = [
             np.zeros((len(self._ids) + 1, *self._kv_shape[:1], capacity, self._kv_shape[1]), self._kv_dtype)
             for _ in present
@@ -118,12 +181,11 @@ class OrtBatchDecoder(BatchDecoder):
         for new, old, kv in zip(rows, self._cache or [None] * len(rows), present, strict=True):
             if old is not None:
                 new[:-1, :, : old.shape[2]] = old
-            new[-1, :, : len(prompt)] = kv[0]
-        self._next_id += 1
-        self._ids.append(self._next_id)
-        self._lengths = np.append(self._lengths, len(prompt))
+            new[-1, :, : len(tokens)] = kv[0]
+        self._ids.append(sequence)
+        self._tokens.append(tokens)
+        self._lengths = np.append(self._lengths, len(tokens))
         self._bind(rows)
-        return self._next_id, logits[0, -1].astype(np.float32)
 
     def step(self, tokens: dict[int, int]) -> dict[int, Any]:
         if set(tokens) != set(self._ids):
@@ -142,11 +204,15 @@ class OrtBatchDecoder(BatchDecoder):
         self._session.run_with_iobinding(self._binding)
         logits = self._binding.get_outputs()[0].numpy()[:, -1].astype(np.float32)
         self._lengths = self._lengths + 1
+        for row, sequence in enumerate(self._ids):
+            self._tokens[row].append(tokens[sequence])
         return dict(zip(self._ids, logits, strict=True))
 
     def remove(self, sequence: int) -> None:
+        if self._partial.pop(sequence, None) is not None:
+            return
         row = self._ids.index(sequence)
-        del self._ids[row]
+        del self._ids[row], self._tokens[row]
         self._lengths = np.delete(self._lengths, row)
         self._bind([np.delete(kv, row, axis=0) for kv in self._cache] if self._ids else [])
 

@@ -1,6 +1,7 @@
-"""Chunked prefill (serve.prefill_chunk) in llama.cpp: a long prompt joins in slices, each fused into one
-`llama_decode` with the running requests' next tokens, so a running stream never waits for a whole prompt; the
-answers stay the unbatched greedy ones."""
+"""Chunked prefill (serve.prefill_chunk) and prefix reuse (serve.prefix_reuse) in the engines that have them: a long
+prompt joins in slices, each fused into one `llama_decode` with the running requests' next tokens (llama.cpp) or run
+in its own call right after theirs (ONNX Runtime, whose graph takes one new-token count per call), so a running
+stream never waits for a whole prompt; a shared start is computed once; the answers stay the unbatched greedy ones."""
 
 from __future__ import annotations
 
@@ -17,37 +18,65 @@ RUNNING = "The river walks the stone near the garden."
 ARRIVING = " ".join(["Near the quiet forest 7, a train finds the book."] * 4)
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_base, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chunked") / "llama"
-    build_variant(
-        "llama",
-        VariantConfig.model_validate({"steps": [{"llama_cpp": {"type": "F32"}}]}),
-        tiny_base,
-        "d",
-        folder,
-    )
+RECIPES = {
+    "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
+    "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def llama(request, tiny_base, tmp_path_factory):
+    """Each engine with chunked prefill and prefix reuse (named for the first one)."""
+    folder = tmp_path_factory.mktemp("chunked") / request.param
+    build_variant(request.param, VariantConfig.model_validate(RECIPES[request.param]), tiny_base, "d", folder)
     return load_runtime(folder, threads=1)
+
+
+def fused(runtime) -> bool:
+    return runtime.manifest.engine == "llama.cpp"
+
+
+def record(decoder, calls: list[list[tuple[int, int]]]) -> None:
+    """Log each engine call of `decoder` as (sequence, tokens) items, sequences numbered in order of appearance."""
+    numbers: dict[int, int] = {}
+
+    def number(sequence: int) -> int:
+        return numbers.setdefault(sequence, len(numbers))
+
+    if hasattr(decoder, "_context"):  # llama.cpp: one llama_decode per call
+        decode = decoder._context.decode
+
+        def logged(work):
+            calls.append([(number(sequence), len(tokens)) for sequence, tokens, _, _ in work])
+            return decode(work)
+
+        decoder._context.decode = logged
+        return
+    step, extend = decoder.step, decoder._extend  # ONNX Runtime: a step of every row, or one prompt's slice
+
+    def logged_step(tokens):
+        calls.append([(number(sequence), 1) for sequence in tokens])
+        return step(tokens)
+
+    def logged_extend(sequence, chunk):
+        calls.append([(number(sequence), len(chunk))])
+        return extend(sequence, chunk)
+
+    decoder.step, decoder._extend = logged_step, logged_extend
 
 
 def serve_two(
     runtime, prefill_chunk: int, first: list[int], second: list[int], budgets: tuple[int, int] = (120, 6)
 ) -> tuple[list[int], list[int], list[list[tuple[int, int]]], list]:
     """A long-running request (`first`), then `second` arriving once it streams; (their tokens, each engine call
-    as (llama.cpp seq_id, tokens) items, the decoders the scheduler made)."""
+    as (sequence in order of appearance, tokens) items, the decoders the scheduler made)."""
     calls: list[list[tuple[int, int]]] = []
     decoders = []
     make_decoder = runtime.batch_decoder
 
     def recorded():
         decoder = make_decoder()
-        decode = decoder._context.decode
-
-        def logged(work):
-            calls.append([(sequence, len(tokens)) for sequence, tokens, _, _ in work])
-            return decode(work)
-
-        decoder._context.decode = logged
+        record(decoder, calls)
         decoders.append(decoder)
         return decoder
 
@@ -79,17 +108,18 @@ def serve_two(
     return tokens["first"], tokens["second"], calls, decoders
 
 
-def test_a_long_prompt_arrives_in_slices_fused_with_the_running_stream_and_answers_do_not_change(llama):
+def test_a_long_prompt_arrives_in_slices_beside_the_running_stream_and_answers_do_not_change(llama):
     prompt = llama.encode(ARRIVING)
     assert len(prompt) > 24
     running, arriving, calls, _ = serve_two(llama, 8, llama.encode(RUNNING), prompt)
     assert running == llama.generate([llama.encode(RUNNING)], 120, stop_at_eos=False)[0]
     assert arriving == llama.generate([prompt], 6, stop_at_eos=False)[0]
-    # the running request holds llama.cpp's sequence 0, the newcomer sequence 1
-    slices = [call for call in calls if any(sequence == 1 and size > 1 for sequence, size in call)]
+    # the running request is sequence 0, the newcomer sequence 1
+    slices = [i for i, call in enumerate(calls) if any(sequence == 1 and size > 1 for sequence, size in call)]
     assert len(slices) == -(-len(prompt) // 8)  # in slices of 8 tokens ...
-    # ... each fused with the running stream's next token, nothing else in the call
-    assert all(len(call) == 2 and (0, 1) in call and max(size for _, size in call) <= 8 for call in slices)
+    for i in slices:  # ... each beside the running stream's next token: in the same call, or the one before
+        beside = calls[i] if fused(llama) else calls[i - 1] + calls[i]
+        assert sorted(beside)[0] == (0, 1) and len(beside) == 2 and max(size for _, size in beside) <= 8
 
     _, _, whole, _ = serve_two(llama, 0, llama.encode(RUNNING), prompt)
     assert [(1, len(prompt))] in whole  # unchunked, the stream waits while the whole prompt runs alone
