@@ -104,3 +104,11 @@ def train_tiny_llama(source: Path, folder: Path, corpus: list[str], steps: int =
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# The tiny model in each engine at full precision: what the engine and serving tests drive.
+TINY_ENGINE_RECIPES = {
+    "torch": {},
+    "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
+    "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
+}

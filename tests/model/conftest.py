@@ -3,6 +3,7 @@ and every technique built once on the trained model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from tasks.engines import Runtime, load_runtime
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
 from tasks.techniques.optimize import build_variant
+from tests.factories import TINY_ENGINE_RECIPES
 from tests.techniques import CALIBRATION, CLAIMS, FP32_RECIPES, Reference, planted_quantizer
 
 
@@ -26,6 +28,26 @@ def baseline_dir(tiny_base: PreparedBase, tmp_path_factory: pytest.TempPathFacto
     """The tiny model's fp32 baseline variant folder (manifest included)."""
     folder = tmp_path_factory.mktemp("tiny-baseline") / "baseline"
     build_variant("baseline", VariantConfig(), tiny_base, "data-hash", folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(
+    tiny_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """engine name → the tiny model's full-precision variant folder in that engine, built once per session on first
+    use (read-only: a test that damages a variant builds its own)."""
+    built: dict[str, Path] = {}
+
+    def folder(engine: str) -> Path:
+        if engine not in built:
+            path = tmp_path_factory.mktemp("tiny-engines") / engine
+            build_variant(
+                engine, VariantConfig.model_validate(TINY_ENGINE_RECIPES[engine]), tiny_base, "d", path
+            )
+            built[engine] = path
+        return built[engine]
+
     return folder
 
 

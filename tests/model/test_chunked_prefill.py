@@ -10,26 +10,16 @@ import threading
 import pytest
 
 from serving.scheduler import GenerationRequest, Sampling, Scheduler
-from tasks.config import VariantConfig
 from tasks.engines import load_runtime
-from tasks.techniques.optimize import build_variant
 
 RUNNING = "The river walks the stone near the garden."
 ARRIVING = " ".join(["Near the quiet forest 7, a train finds the book."] * 4)
 
 
-RECIPES = {
-    "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
-    "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
-}
-
-
-@pytest.fixture(scope="module", params=sorted(RECIPES))
-def llama(request, tiny_base, tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama.cpp", "onnxruntime-genai"])
+def llama(request, tiny_engine_dir):
     """Each engine with chunked prefill and prefix reuse (named for the first one)."""
-    folder = tmp_path_factory.mktemp("chunked") / request.param
-    build_variant(request.param, VariantConfig.model_validate(RECIPES[request.param]), tiny_base, "d", folder)
-    return load_runtime(folder, threads=1)
+    return load_runtime(tiny_engine_dir(request.param), threads=1)
 
 
 def fused(runtime) -> bool:

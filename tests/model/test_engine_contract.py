@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.config import VariantConfig
 from tasks.engines import ENGINES, Runtime, load_runtime
-from tasks.techniques.optimize import build_variant
+from tests.factories import TINY_ENGINE_RECIPES
 
 TEXT = "The river walks the stone near the garden 12. The train finds the book near the quiet forest 7."
-RECIPES = {
-    "torch": {},
-    "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
-    "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
-}
+RECIPES = TINY_ENGINE_RECIPES  # the engines tiny_engine_dir builds
 
 
 @pytest.fixture(scope="module", params=sorted(RECIPES))
-def runtime(request, tiny_base, tmp_path_factory) -> Runtime:
-    folder = tmp_path_factory.mktemp("contract") / request.param
-    build_variant(request.param, VariantConfig.model_validate(RECIPES[request.param]), tiny_base, "d", folder)
-    return load_runtime(folder, threads=1)
+def runtime(request, tiny_engine_dir) -> Runtime:
+    return load_runtime(tiny_engine_dir(request.param), threads=1)
 
 
 def test_every_registered_engine_is_covered_here():

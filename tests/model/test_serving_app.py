@@ -12,23 +12,17 @@ import pytest
 
 from serving.app import create_app
 from serving.models import ModelRouter, ServedModel, serve_runtime
-from tasks.config import ServeConfig, VariantConfig
+from tasks.config import ServeConfig
 from tasks.engines import Runtime, load_runtime
-from tasks.techniques.optimize import build_variant
+from tests.factories import TINY_ENGINE_RECIPES
 
-RECIPES = {
-    "torch": {},
-    "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
-    "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
-}
+RECIPES = TINY_ENGINE_RECIPES  # the engines tiny_engine_dir builds
 PROMPT = "Near the river 12, the stone walks the garden."
 
 
 @pytest.fixture(scope="module", params=sorted(RECIPES))
-def runtime(request, tiny_base, tmp_path_factory) -> Runtime:
-    folder = tmp_path_factory.mktemp("serve") / request.param
-    build_variant(request.param, VariantConfig.model_validate(RECIPES[request.param]), tiny_base, "d", folder)
-    return load_runtime(folder, threads=1)
+def runtime(request, tiny_engine_dir) -> Runtime:
+    return load_runtime(tiny_engine_dir(request.param), threads=1)
 
 
 @contextmanager

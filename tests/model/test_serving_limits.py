@@ -8,33 +8,21 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tasks.config import ServeConfig, VariantConfig
+from tasks.config import ServeConfig
 from tasks.engines import Runtime, load_runtime
-from tasks.techniques.optimize import build_variant
 from tests.model.test_serving_app import PROMPT, live_server
 
 KEY = "s3cret-key"
 
 
 @pytest.fixture(scope="module")
-def onnx_runtime(tiny_base, tmp_path_factory) -> Runtime:
-    folder = tmp_path_factory.mktemp("limits") / "onnx"
-    build_variant(
-        "onnx",
-        VariantConfig.model_validate({"steps": [{"onnx_genai": {"precision": "fp32"}}]}),
-        tiny_base,
-        "d",
-        folder,
-    )
-    return load_runtime(folder, threads=1)
+def onnx_runtime(tiny_engine_dir) -> Runtime:
+    return load_runtime(tiny_engine_dir("onnxruntime-genai"), threads=1)
 
 
 @pytest.fixture(scope="module")
-def llama_runtime(tiny_base, tmp_path_factory) -> Runtime:
-    folder = tmp_path_factory.mktemp("limits") / "llama"
-    recipe = VariantConfig.model_validate({"steps": [{"llama_cpp": {"type": "F32"}}]})
-    build_variant("llama", recipe, tiny_base, "d", folder)
-    return load_runtime(folder, threads=1)
+def llama_runtime(tiny_engine_dir) -> Runtime:
+    return load_runtime(tiny_engine_dir("llama.cpp"), threads=1)
 
 
 @pytest.fixture(scope="module")
