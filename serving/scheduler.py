@@ -262,8 +262,8 @@ class Scheduler:
                 decoder = self._decoder()
 
     def _chunked(self, decoder: Any, request: GenerationRequest) -> bool:
-        """Whether `request`'s prompt joins in slices: chunking on, an engine that fuses them into steps, a prompt
-        longer than one slice, and a request that generates (scoring requests run their prompt whole)."""
+        """Whether `request`'s prompt joins in slices: chunking on, an engine that runs slices between steps, a
+        prompt longer than one slice, and a request that generates (scoring requests run their prompt whole)."""
         return (
             bool(self.prefill_chunk)
             and decoder.chunked_prefill
@@ -286,7 +286,8 @@ class Scheduler:
             self._end(request, ("error", f"generation failed: {_first_line(exc)}"))
 
     def _step_filling(self, decoder: Any, running: dict[int, _Running], filling: list[_Filling]) -> None:
-        """One engine call: every running sequence's next token and the next slice of the first joining prompt.
+        """Every running sequence's next token and the next slice of the first joining prompt: one engine call
+        (llama.cpp) or two, one right after the other (ONNX; the time of both counts as decode while requests run).
         Its last slice gives the joining request its first token; from then on it runs with the others."""
         for item in [f for f in filling if f.request.cancelled.is_set()]:
             decoder.remove(item.sequence)

@@ -130,8 +130,10 @@ class BatchDecoder(abc.ABC):
         self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
     ) -> tuple[dict[int, Any], Any]:
         """`step(tokens)` for the running sequences and the next `chunk` of an opened sequence's prompt, in one
-        engine call or one right after the other (`chunked_prefill`); (the running sequences' logits, the logits after the chunk's last token). After its `last`
-        chunk the sequence runs with the others (`step` then needs its token too)."""
+        engine call or one right after the other (`chunked_prefill`); (the running sequences' logits, the logits
+        after the chunk's last token). After its `last` chunk the sequence runs with the others (`step` then needs
+        its token too). Not atomic where it is two calls: if the slice fails, the step has happened (the scheduler
+        then ends every request the decoder holds and starts a fresh one)."""
         raise NotImplementedError(f"{type(self).__name__} runs prompts whole")
 
     @abc.abstractmethod
@@ -160,7 +162,7 @@ def next_token_nll(logits: Any, ids: list[int]) -> tuple[float, int]:
     import torch
 
     targets = torch.as_tensor(ids[1:], dtype=torch.int64)
-    rows = torch.from_numpy(np.ascontiguousarray(logits[: len(targets)])).double()
+    rows = torch.from_numpy(np.array(logits[: len(targets)], dtype=np.float32)).double()  # a writable copy
     log_probs = torch.log_softmax(rows, dim=-1)
     return float(-log_probs.gather(1, targets[:, None]).sum()), len(targets)
 

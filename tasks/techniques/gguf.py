@@ -130,8 +130,9 @@ def importance_matrix(
     """Per GGUF weight tensor: the mean over calibration tokens of each input column's squared activation.
 
     Captured over every linear module that becomes a GGUF matrix plus the lm_head, keyed by module name: for a
-    Llama-style model that is the ONNX export's capture for importance-weighted scales (same modules, statistic and
-    windows), so inside the statistics cache the two exports share one calibration pass."""
+    Llama-style model that is the ONNX export's capture for importance-weighted scales with round-to-nearest (same
+    modules, statistic and windows: the default `scales: weighted`, 32 windows each), so inside the statistics cache
+    the two exports share one calibration pass. (With GPTQ the export's capture holds the Hessians too: no sharing.)"""
     import torch
 
     from tasks.techniques.gptq_rounding import calibration_inputs

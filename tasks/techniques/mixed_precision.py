@@ -343,7 +343,9 @@ def search(
         else:
             quick_windows = windows[: max(1, len(windows) // 4)]
             suffixes, starts = None, {}
-            if group_measure is simulated:  # a layer's saving runs that layer on, from cached inputs
+            if group_measure is simulated and LayerSuffixes.usable(
+                model, quick_windows
+            ):  # from cached inputs
                 set_bits(all_int4)
                 suffixes = LayerSuffixes(model, quick_windows)
                 int4_quick = suffixes.full_loss
@@ -370,6 +372,7 @@ def search(
                 weight = sum(m.parameters for m in members)
                 for m in members:  # a group's measured saving, shared by parameters (for the report)
                     costs[m.node] = (saving * m.parameters / weight, 0.0)
+            suffixes = None  # the cached layer inputs are not needed by the plans
             report("sensitivity", len(units), len(units))
         saved = {
             unit: sum(costs[m.node][0] - costs[m.node][1] for m in members) for unit, members in units.items()
@@ -435,6 +438,20 @@ class LayerSuffixes:
     """The hidden states entering each decoder layer over `windows`, with the model's weights as they are now, so a
     change confined to layers ≥ L is measured by running layers L.. only: the layers before L give exactly these
     inputs again. Measuring every decoder layer's saving this way runs half the layers a full pass would."""
+
+    MAX_CACHED_BYTES = 1 << 30  # the layer inputs kept (float32): beyond this, full passes instead
+
+    @classmethod
+    def usable(cls, model: Any, windows: list[list[int]]) -> bool:
+        """Whether the shortcut applies: a decoder whose layers are all of one kind (a model that picks each
+        layer's mask or rotary table by its index in the stack, e.g. sliding and full attention interleaved, would
+        give a suffix's layers the wrong ones) and layer inputs that fit `MAX_CACHED_BYTES`."""
+        config = getattr(model, "config", None)
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if config is None or layers is None or len(set(getattr(config, "layer_types", None) or [None])) > 1:
+            return False
+        cached = sum(len(ids) for ids in windows) * config.hidden_size * len(layers) * 4
+        return cached <= cls.MAX_CACHED_BYTES
 
     def __init__(self, model: Any, windows: list[list[int]]) -> None:
         import torch

@@ -61,7 +61,11 @@ def test_unchanged_source_settings_and_splits_are_reused_and_any_change_prepares
     source = tmp_path / "corpus"
     shutil.copytree(corpus_dir, source)
     cfg = DataConfig(
-        source=str(source), passage_words=60, min_passage_words=20, evaluation_passages=4, calibration_passages=6
+        source=str(source),
+        passage_words=60,
+        min_passage_words=20,
+        evaluation_passages=4,
+        calibration_passages=6,
     )
     out = tmp_path / "data"
     validations = []

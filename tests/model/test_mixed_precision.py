@@ -555,7 +555,18 @@ def test_a_layers_saving_measured_from_its_cached_inputs_is_the_full_pass_s(plan
     ]
     windows = [ids[i : i + 64] for i in range(0, 64 * 8, 64)]
     run = lambda: search(model, windows, 0.001, 0.9, 32, True, group=export_layer_of)  # noqa: E731
+    shortcuts = []
+    real_loss = LayerSuffixes.loss
+    monkeypatch.setattr(
+        LayerSuffixes, "loss", lambda self, start: shortcuts.append(start) or real_loss(self, start)
+    )
     shortcut = run()
+    assert sorted(shortcuts) == [
+        0,
+        1,
+        1,
+    ]  # layer 1 checked against a full pass, then each layer from its inputs
+    monkeypatch.undo()
     monkeypatch.setattr(LayerSuffixes, "agrees", lambda *_: False)  # full passes only
     full = run()
     assert [(c.node, c.bits) for c in shortcut.matrices] == [(c.node, c.bits) for c in full.matrices]
@@ -571,3 +582,13 @@ def test_a_layers_saving_measured_from_its_cached_inputs_is_the_full_pass_s(plan
     )
     assert [(c.node, c.bits) for c in run().matrices] == [(c.node, c.bits) for c in full.matrices]
     assert len(calls) == 1  # the check only
+    monkeypatch.undo()
+    model.config.layer_types = [
+        "sliding_attention",
+        "full_attention",
+    ]  # layers picked by index: never shortcut
+    assert not LayerSuffixes.usable(model, windows)
+    model.config.layer_types = ["full_attention"] * 2
+    assert LayerSuffixes.usable(model, windows)
+    monkeypatch.setattr(LayerSuffixes, "MAX_CACHED_BYTES", 1000)
+    assert not LayerSuffixes.usable(model, windows)  # too many layer inputs to keep
