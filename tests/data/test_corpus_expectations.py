@@ -7,6 +7,18 @@ from tasks.errors import DataValidationError
 from tasks.expectations import validate_corpus_splits
 from tasks.inputs.data import prepare_data
 
+
+def small_corpus(source) -> DataConfig:
+    """The synthetic corpus cut small: 6 calibration and 4 evaluation passages of about 60 words."""
+    return DataConfig(
+        source=str(source),
+        passage_words=60,
+        min_passage_words=20,
+        evaluation_passages=4,
+        calibration_passages=6,
+    )
+
+
 GOOD = {"calibration": ["alpha beta gamma delta"], "evaluation": ["epsilon zeta eta theta"]}
 
 
@@ -38,13 +50,7 @@ def test_empty_corpus_folder_stops_preparation_and_writes_nothing(tmp_path):
 
 
 def test_synthetic_corpus_prepares_two_disjoint_validated_splits(corpus_dir, tmp_path):
-    cfg = DataConfig(
-        source=str(corpus_dir),
-        passage_words=60,
-        min_passage_words=20,
-        evaluation_passages=4,
-        calibration_passages=6,
-    )
+    cfg = small_corpus(corpus_dir)
     prepared = prepare_data(cfg, tmp_path, tmp_path / "data")
     assert prepared.counts == {"calibration": 6, "evaluation": 4}
 
@@ -60,13 +66,7 @@ def test_unchanged_source_settings_and_splits_are_reused_and_any_change_prepares
 
     source = tmp_path / "corpus"
     shutil.copytree(corpus_dir, source)
-    cfg = DataConfig(
-        source=str(source),
-        passage_words=60,
-        min_passage_words=20,
-        evaluation_passages=4,
-        calibration_passages=6,
-    )
+    cfg = small_corpus(source)
     out = tmp_path / "data"
     validations = []
     real = expectations.validate_corpus_splits
