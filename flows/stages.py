@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -38,7 +39,7 @@ from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
 from tasks.report.tracking import ParentRun, log_reports, log_variant_run
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.optimize import build_variant, plain_twin
 
 
 def workdir(config: Config, root: Path) -> Path:
@@ -84,7 +85,14 @@ class Evaluated:
 
 
 @task(name="optimize", task_run_name="optimize-{name}", cache_policy=NO_CACHE)
-def optimize_task(name: str, variant: VariantConfig, inputs: Inputs, space: Workspace) -> Built:
+def optimize_task(
+    name: str,
+    variant: VariantConfig,
+    inputs: Inputs,
+    space: Workspace,
+    draft: tuple[str, VariantConfig] | None = None,
+) -> Built:
+    """`draft`: the proposing variant of a `speculative: {method: draft}` recipe (built into its folder)."""
     with timed("build", name) as span:
         base = replace(inputs.base, path=space.fetch(inputs.base_stored))
         calibration = read_split(space.fetch(inputs.data_stored), "calibration")
@@ -99,6 +107,7 @@ def optimize_task(name: str, variant: VariantConfig, inputs: Inputs, space: Work
                 calibration,
                 lambda _, i, n: update(i, n),
                 statistics=space.local("statistics"),
+                draft=draft,
             )
         stored = space.publish(out_dir)
     return Built(name, manifest, replace(stored, path=space.workdir / "variants" / name), span[0])
@@ -220,7 +229,18 @@ def measure_variants(
     inputs = Inputs(base, space.publish(base.path), data, space.publish(data.folder))
     order = [name for name, _ in baseline_first(config)]
     with run_progress({"build": len(order), "evaluate": len(order), "benchmark": 0}) as display:
-        builds = {name: optimize_task.submit(name, config.variants[name], inputs, space) for name in order}
+        builds: dict[str, Any] = {}
+        for name in sorted(order, key=lambda n: config.variants[n].runtime.speculative is not None):
+            # a speculative variant after the variants whose bytes it links (its plain twin, its draft)
+            variant, twin = config.variants[name], plain_twin(config.variants[name])
+            draft_name = variant.runtime.speculative.draft if variant.runtime.speculative else None
+            draft = (draft_name, config.variants[draft_name]) if draft_name else None
+            before = [
+                builds[other]
+                for other in builds
+                if other == draft_name or (twin is not None and config.variants[other] == twin)
+            ]
+            builds[name] = optimize_task.submit(name, variant, inputs, space, draft, wait_for=before)
         evaluations = {}
         for name in order:
             reference = evaluations.get(order[0])  # a future: each evaluation waits for the baseline's
@@ -239,9 +259,7 @@ def measure_variants(
                     fetched[label], texts, config, evaluations[order[0]], space
                 )
             logger.info(f"{label} is measured as {stand_ins[label]}")
-        built = {
-            name: future.result() for name, future in builds.items()
-        } | fetched  # the barrier: nothing runs ...
+        built = {name: builds[name].result() for name in order} | fetched  # the barrier: nothing runs ...
         done = {name: future.result() for name, future in evaluations.items()}
         spans = [b.span for b in built.values() if b.span] + [e.span for e in done.values()]
         manifests = {name: b.manifest for name, b in built.items()}

@@ -163,8 +163,33 @@ Step = create_model(
 )
 
 
+class SpeculativeSettings(Strict):
+    """Speculative decoding: a proposer guesses up to `tokens` next tokens, the variant's own engine checks them in
+    one call and keeps those it would have chosen itself (tasks/engines/speculative.py). `ngram`: prompt lookup,
+    the continuation of the latest earlier match of the context's last `ngram_size` (down to 2) tokens. `draft`:
+    the variant `draft` (same tokenizer, any engine) proposes greedily; it is built into this variant's folder."""
+
+    method: Literal["ngram", "draft"]
+    tokens: Annotated[int, Field(ge=1, le=16)] = 4
+    ngram_size: Annotated[int, Field(ge=1, le=8)] = 3
+    draft: Annotated[str, Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _draft_named(self) -> SpeculativeSettings:
+        if self.method == "draft" and self.draft is None:
+            raise ValueError("method: draft needs `draft: <variant name>` (the variant that proposes)")
+        if self.method == "ngram" and self.draft is not None:
+            raise ValueError(
+                "draft names the proposing variant of method: draft; ngram proposes from the text"
+            )
+        if self.method == "draft" and "ngram_size" in self.model_fields_set:
+            raise ValueError("ngram_size applies to method: ngram")
+        return self
+
+
 class RuntimeSettings(Strict):
-    """How the variant runs (not its weights). Everything but dtype applies to the torch engine only."""
+    """How the variant runs (not its weights). Everything but dtype and speculative applies to the torch engine
+    only."""
 
     RECORDED_DEFAULTS = frozenset({"dtype"})
     dtype: Dtype = "float32"
@@ -182,9 +207,11 @@ class RuntimeSettings(Strict):
     # torch.compile of the decode step with CUDA graphs (fullgraph, reduce-overhead) over the static KV cache; cuda
     # targets only. Off, a static cache is never compiled (transformers would compile it on a GPU by itself).
     compile: bool = False
+    # Speculative decoding at batch 1 (every engine; larger batches decode as usual): None, or how to propose
+    speculative: SpeculativeSettings | None = None
     # Settings added after build keys were first recorded: they enter `identity` only when not at their default,
     # so variants that do not use them keep their keys.
-    ADDED_LATER: ClassVar[dict[str, Any]] = {"compile": False}
+    ADDED_LATER: ClassVar[dict[str, Any]] = {"compile": False, "speculative": None}
     FORMER: ClassVar[dict[str, Former]] = {
         "engine": Former(
             "wrapper",
@@ -228,6 +255,22 @@ class RuntimeSettings(Strict):
             raise ValueError("sliding_window bounds the cache itself; leave kv_cache at dynamic or quantized")
         if self.compile and self.kv_cache != "static":
             raise ValueError("compile replays the decode step over a fixed-shape cache: set kv_cache: static")
+        if self.speculative is not None:
+            clash = [
+                f"{name}: {value}"
+                for name, value, plain in (
+                    ("kv_cache", self.kv_cache, "dynamic"),
+                    ("sliding_window", self.sliding_window, None),
+                    ("compile", self.compile, False),
+                    ("wrapper", self.wrapper, "none"),
+                )
+                if value != plain
+            ]
+            if clash:
+                raise ValueError(
+                    f"speculative decoding rewinds a growing KV cache after rejected tokens; {clash[0]} has "
+                    "none to rewind (leave it at its default)"
+                )
         return self
 
     def torch_only(self) -> list[str]:
@@ -490,6 +533,21 @@ class Config(Strict):
             raise ValueError(f"select.baseline names {self.select.baseline!r}, which is not in variants")
         if base.steps or base.runtime.dtype != "float32":
             raise ValueError(f"the baseline variant {self.select.baseline!r} must be fp32 with no steps")
+        for name, variant in self.variants.items():
+            speculative = variant.runtime.speculative
+            if speculative is None or speculative.draft is None:
+                continue
+            draft = self.variants.get(speculative.draft)
+            if draft is None or speculative.draft == name:
+                raise ValueError(
+                    f"variants.{name}.runtime.speculative.draft names {speculative.draft!r}, which is not "
+                    "another variant of params.yaml"
+                )
+            if draft.runtime.speculative is not None:
+                raise ValueError(
+                    f"variants.{name}.runtime.speculative.draft: {speculative.draft} speculates itself; a draft "
+                    "proposes with plain decoding"
+                )
         if self.services.prefect_worker and self.schedule.work_pool is None:
             raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self

@@ -72,7 +72,7 @@ def _split_problems(config: Config) -> list[str]:
                 )
         unsplit = [
             key
-            for key in ("kv_cache", "sliding_window", "wrapper", "compile")
+            for key in ("kv_cache", "sliding_window", "wrapper", "compile", "speculative")
             if key in variant.runtime.model_fields_set
         ]
         if unsplit:

@@ -17,6 +17,7 @@ from tasks.engines.manifest import VariantManifest
 from tasks.errors import ComparisonError
 from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
 from tasks.measure.evaluate import VariantEvaluation
+from tasks.measure.speculation import StyleSpeed
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class VariantScore:
     short_benchmark: bool = (
         False  # outside the accuracy budget: measured at batch 1 only (BenchmarkConfig.short)
     )
+    speculation: tuple[StyleSpeed, ...] = ()  # a speculative variant: with and without it, by prompt style
 
     def top_batch(self) -> tuple[int, float]:
         """(largest measured batch size, its aggregate decode tok/s)."""
@@ -81,6 +83,7 @@ def variant_score(
         roofline_fraction=roofline_fraction(bench.decode_tok_s, bench.decode_read_bytes, bandwidth_gbs),
         peer=is_peer_recipe(manifest.recipe),
         short_benchmark=bench.short,
+        speculation=tuple(bench.speculation or ()),
     )
 
 
@@ -186,7 +189,28 @@ class Leaderboard:
         lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(self)]
         legend = self.legend()
         verdict = f"Winner: **{self.winner}**" if self.winner else "No winner"
-        return "\n".join(lines) + f"\n\n{legend}.\n\n{verdict} ({self.reason}; reference: {self.baseline}).\n"
+        text = "\n".join(lines) + f"\n\n{legend}.\n\n{verdict} ({self.reason}; reference: {self.baseline}).\n"
+        return text + self.speculation_markdown()
+
+    def speculation_markdown(self) -> str:
+        """The speculative variants' own measurement: each prompt style generated with and without speculation
+        (batch 1, prefill included, same prompts, interleaved), '' when no variant speculates."""
+        rows = [(r.score.variant, style) for r in self.rows for style in r.score.speculation]
+        if not rows:
+            return ""
+        lines = [
+            "\nSpeculative decoding (batch 1, prefill included; the same prompts with and without it):\n",
+            "| variant | prompt style | tok/s without → with | × (CI) | proposals kept | tokens per call | "
+            "same tokens as without |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for variant, s in rows:
+            lines.append(
+                f"| {variant} | {s.style} ({s.prompt_tokens} tokens) | {s.plain_tok_s:.1f} → "
+                f"{s.speculative_tok_s:.1f} | {s.ratio:.2f} ({s.ratio_ci[0]:.2f}–{s.ratio_ci[1]:.2f}) | "
+                f"{s.acceptance:.0%} of {s.proposed} | {s.tokens_per_call:.2f} | {s.agreement:.0%} |"
+            )
+        return "\n".join(lines) + "\n"
 
 
 NOT_MEASURED = "–"  # a cell the row's (short) benchmark did not measure comparably

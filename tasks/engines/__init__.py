@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.engines import llama_cpp, onnx_genai, pytorch
+from tasks.engines import llama_cpp, onnx_genai, pytorch, speculative
 from tasks.engines.contract import Runtime
 from tasks.engines.manifest import verify_variant
 from tasks.errors import ArtifactError, TargetError
@@ -39,7 +39,11 @@ def load_runtime(folder: Path, threads: int, device: str = "cpu", tensor_paralle
     if tensor_parallel > 1:
         if engine is not pytorch.TorchRuntime:
             raise TargetError(f"{folder}: tensor parallelism is the torch engine's, not {manifest.engine}'s")
+        if manifest.runtime_settings().speculative is not None:
+            raise TargetError(f"{folder}: speculative decoding runs on one device, not split over ranks")
         from tasks.engines.tensor_parallel import TensorParallelRuntime
 
         return TensorParallelRuntime(folder, manifest, threads, device, tensor_parallel)
-    return engine(folder, manifest, threads, device)
+    runtime = engine(folder, manifest, threads, device)
+    speculative.attach(runtime, folder, threads, device)
+    return runtime

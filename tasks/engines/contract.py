@@ -33,8 +33,14 @@ Stepping (`batch_decoder`)
     where padded rows with their own attention masks are the norm: its steps are one call for all sequences and
     match stepping alone to float rounding (tests/model/test_cuda_target.py), not bit for bit.
 
-Engines subclass `Runtime` and implement `score`, `_generate_batch` and `batch_decoder`; `generate` (grouping,
-order, cutting at EOS) is shared, so every engine batches the same way.
+Speculation (`sequence`)
+    A variant with runtime.speculative decodes prompts that run alone (a group of one in `generate`) through the
+    verify loop of tasks/engines/speculative.py, on the engine's `sequence`: several tokens in one call, the logits
+    of each, the cache rewound after rejected guesses. Batches of several prompts and serving's batch decoder
+    decode plainly.
+
+Engines subclass `Runtime` and implement `score`, `_generate_batch`, `batch_decoder` and `sequence`; `generate`
+(grouping, order, speculation, cutting at EOS) is shared, so every engine batches the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ class Runtime(abc.ABC):
     tokenizer: Any  # the variant's Hugging Face tokenizer (see the module docstring: shared by every engine)
     context_length: int  # the most tokens (prompt + continuation, or one scored sequence) the model takes
     DEVICES: tuple[str, ...] = ("cpu",)  # the device kinds the engine places models on (`cuda` covers cuda:N)
+    # The variant's speculative decoding (tasks/engines/speculative.py `Speculation`, attached by `load_runtime`
+    # from runtime.speculative): `generate` uses it for prompts that run alone; None: plain decoding
+    speculation: Any = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special tokens added (no BOS)."""
@@ -90,11 +99,20 @@ class Runtime(abc.ABC):
         for index, prompt in enumerate(prompts):
             groups.setdefault(len(prompt), []).append(index)
         outputs: list[list[int]] = [[] for _ in prompts]
+        speculate = self.speculation is not None and self.speculation.enabled
         for indexes in groups.values():
-            rows = self._generate_batch([prompts[i] for i in indexes], max_new_tokens, stop_at_eos)
+            if speculate and len(indexes) == 1:
+                rows = [self.speculation.generate(self, prompts[indexes[0]], max_new_tokens, stop_at_eos)]
+            else:
+                rows = self._generate_batch([prompts[i] for i in indexes], max_new_tokens, stop_at_eos)
             for index, row in zip(indexes, rows, strict=True):
                 outputs[index] = cut_after_eos(row, self.eos_token_id) if stop_at_eos else row
         return outputs
+
+    def sequence(self, capacity: int) -> Any:
+        """One sequence's KV cache, for speculative decoding (`tasks.engines.speculative.Sequence`: extend by
+        several tokens with the logits of each, rewind), with room for `capacity` tokens."""
+        raise NotImplementedError(f"{type(self).__name__} cannot verify several tokens in one call")
 
     @abc.abstractmethod
     def batch_decoder(self) -> BatchDecoder:

@@ -129,6 +129,9 @@ class LlamaCppRuntime(Runtime):
             )
         return rows
 
+    def sequence(self, capacity: int) -> LlamaCppSequence:
+        return LlamaCppSequence(self.context(capacity, 1))
+
     def batch_decoder(self) -> LlamaCppBatchDecoder:
         cells = min(self.context_length * MAX_SEQUENCES, max(self.context_length, 8192))
         context = _Context(self._model, cells, MAX_SEQUENCES, self._threads)
@@ -171,6 +174,10 @@ class _Context:
     def forget(self, sequence: int) -> None:
         self._lib.llama_memory_seq_rm(self._memory, sequence, -1, -1)
 
+    def truncate(self, sequence: int, length: int) -> None:
+        """Free `sequence`'s cells from position `length` on."""
+        self._lib.llama_memory_seq_rm(self._memory, sequence, length, -1)
+
     def share(self, source: int, target: int, length: int) -> None:
         """Give `target` the cache cells of `source`'s first `length` positions (the unified cache shares the
         cells themselves: nothing is copied or recomputed)."""
@@ -205,6 +212,24 @@ class _Context:
             results.append(np.array(logits[first : first + size], dtype=np.float32))
             first += size
         return results
+
+
+class LlamaCppSequence:
+    """One sequence (seq_id 0) of a context: several positions per `llama_decode` with every row's logits, and
+    its cells from a position on removed on rewind (speculative decoding)."""
+
+    def __init__(self, context: _Context) -> None:
+        self._context, self.length = context, 0
+
+    def extend(self, tokens: list[int], every: bool = True) -> np.ndarray:
+        (logits,) = self._context.decode([(0, tokens, self.length, every)])
+        self.length += len(tokens)
+        return logits
+
+    def rewind(self, length: int) -> None:
+        if length < self.length:
+            self._context.truncate(0, length)
+            self.length = length
 
 
 class LlamaCppBatchDecoder(BatchDecoder):

@@ -44,13 +44,17 @@ class OrtGenAIRuntime(Runtime):
         shape = (decoder["num_key_value_heads"], decoder["head_size"])
         return OrtBatchDecoder(self._folder / decoder["filename"], shape, self._threads)
 
+    def sequence(self, capacity: int) -> OrtSequence:
+        return OrtSequence(self._generator([[]], capacity))
+
     def _generator(self, batch: list[list[int]], max_length: int, min_length: int = 0) -> Any:
         params = self._og.GeneratorParams(self.model)
         params.set_search_options(
             batch_size=len(batch), max_length=max_length, min_length=min_length, do_sample=False
         )
         generator = self._og.Generator(self.model, params)
-        generator.append_tokens(np.asarray(batch, dtype=np.int32))
+        if batch[0]:
+            generator.append_tokens(np.asarray(batch, dtype=np.int32))
         return generator
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
@@ -70,6 +74,26 @@ class OrtGenAIRuntime(Runtime):
             for row, token in zip(rows, generator.get_next_tokens(), strict=True):
                 row.append(int(token))
         return rows
+
+
+class OrtSequence:
+    """One sequence in an `og.Generator`: several tokens appended per call with the logits of each, and
+    `rewind_to` on rewind (speculative decoding). The graph runs k new tokens with other kernels than one (int4
+    MatMulNBits), so a k-token call's logits can differ from one-token calls' in the last digits."""
+
+    def __init__(self, generator: Any) -> None:
+        self._generator, self.length = generator, 0
+
+    def extend(self, tokens: list[int], every: bool = True) -> np.ndarray:
+        self._generator.append_tokens(np.asarray([tokens], dtype=np.int32))
+        self.length += len(tokens)
+        logits = self._generator.get_output("logits")[0]  # the graph computes every row
+        return np.asarray(logits if every else logits[-1:], dtype=np.float32)
+
+    def rewind(self, length: int) -> None:
+        if length < self.length:
+            self._generator.rewind_to(length)
+            self.length = length
 
 
 class OrtBatchDecoder(BatchDecoder):

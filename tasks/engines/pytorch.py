@@ -93,6 +93,9 @@ class TorchRuntime(Runtime):
         with self._no_grad():
             return self.model(input_ids=torch.tensor(sequences, device=self.device)).logits.float().cpu()
 
+    def sequence(self, capacity: int) -> TorchSequence:
+        return TorchSequence(self.model, self._no_grad, self.device)
+
     def batch_decoder(self) -> TorchBatchDecoder:
         """On a GPU the sequences' steps run as one padded batch (what GPUs are for); on the CPU each sequence
         steps alone, which keeps fp32 results independent of the batch (see `PaddedBatchDecoder`). Also alone:
@@ -124,6 +127,39 @@ class TorchRuntime(Runtime):
                 **extra,
             )
         return generated[:, len(batch[0]) :].tolist()
+
+
+class TorchSequence:
+    """One sequence with transformers' dynamic cache: several tokens per forward call with the logits of each,
+    cropped on rewind (speculative decoding)."""
+
+    def __init__(self, model: Any, no_grad: Any, device: Any) -> None:
+        self._model, self._no_grad, self._device = model, no_grad, device
+        self._cache: Any = None
+        self.length = 0
+
+    def extend(self, tokens: list[int], every: bool = True) -> Any:
+        import torch
+
+        with self._no_grad():
+            out = self._model(
+                input_ids=torch.tensor([tokens], device=self._device),
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=0 if every else 1,  # 0: every row
+            )
+        self._cache, self.length = out.past_key_values, self.length + len(tokens)
+        return out.logits[0].float().cpu().numpy()
+
+    def rewind(self, length: int) -> None:
+        if length < self.length:
+            if length == 0:
+                self._cache = None
+            else:
+                self._cache.crop(
+                    length - self.length
+                )  # negative: tokens to remove (every version reads it so)
+            self.length = length
 
 
 class TorchBatchDecoder(BatchDecoder):

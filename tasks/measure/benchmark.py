@@ -22,6 +22,7 @@ from pathlib import Path
 from tasks.config import BenchmarkConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.failpoints import failpoint
+from tasks.measure.speculation import StyleSpeed, measure_speculation
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class BenchmarkResult:
     first_call_s: float = 0.0
     # the short benchmark of a variant outside the accuracy budget (BenchmarkConfig.short)
     short: bool = False
+    # a speculative variant: each prompt style with and without speculation (tasks/measure/speculation.py)
+    speculation: list[StyleSpeed] | None = None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")
@@ -253,6 +256,11 @@ def benchmark_variant(
         request_latencies(runtime, requests, cfg.request_new_tokens)
     latencies = request_latencies(runtime, requests, cfg.request_new_tokens)
     low, high, coverage = median_interval(single.decode_tok_s_runs)
+    speculation = None
+    if runtime.speculation is not None:
+        speculation = measure_speculation(
+            runtime, ids, cfg.prompt_tokens, cfg.new_tokens, cfg.warmup, cfg.repeats
+        )
     return BenchmarkResult(
         load_s=load_s,
         ttft_ms=single.ttft_ms,
@@ -274,6 +282,7 @@ def benchmark_variant(
         threads=threads,
         peak_gpu_mb=torch.cuda.max_memory_allocated(device) / 2**20 if gpu else None,
         first_call_s=first_call_s,
+        speculation=speculation,
     )
 
 
@@ -370,6 +379,10 @@ def benchmark_in_fresh_process(
         failpoint("benchmark")  # tests: SIGKILL while the benchmark process runs
         result = future.result()
     result["batches"] = [BatchSpeed(**batch) for batch in result["batches"]]
+    if result["speculation"] is not None:
+        result["speculation"] = [
+            StyleSpeed(**{**style, "ratio_ci": tuple(style["ratio_ci"])}) for style in result["speculation"]
+        ]
     return BenchmarkResult(**result)
 
 

@@ -215,6 +215,18 @@ def log_variant_run(
         "size_mb": manifest.size_bytes / 1e6,
         "parameters": manifest.parameters,
         **_mixed_precision_metrics(manifest.mixed_precision),
+        **{
+            f"speculative.{style.style}.{name}": getattr(style, name)
+            for style in bench.speculation or []
+            for name in (
+                "ratio",
+                "acceptance",
+                "tokens_per_call",
+                "agreement",
+                "plain_tok_s",
+                "speculative_tok_s",
+            )
+        },
     }
     curves = [
         Metric(key, float(value), 0, step)

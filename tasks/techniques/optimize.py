@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 from tasks.config import VariantConfig
 from tasks.engines import pytorch
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
+from tasks.engines.speculative import DRAFT_FOLDER
 from tasks.engines.torch_weights import HF_SAFETENSORS, ON_LOAD
 from tasks.errors import ArtifactError, BuildError, ConfigError
 from tasks.failpoints import failpoint
@@ -53,14 +55,28 @@ class BuildContext:
 BUILDER_MODULES = ("tasks.techniques", "tasks.engines.torch_weights", "tasks.engines.manifest")
 
 
-def variant_build_key(variant: VariantConfig, base_hash: str, data_hash: str) -> str:
-    """Content address of a variant: same base, data, recipe, builder code and libraries → same artifact."""
+def variant_build_key(
+    variant: VariantConfig, base_hash: str, data_hash: str, draft: VariantConfig | None = None
+) -> str:
+    """Content address of a variant: same base, data, recipe, builder code and libraries → same artifact (and,
+    for a speculative variant with a draft, the draft's own address)."""
     builder = code_sha256(BUILDER_MODULES)
     versions = ",".join(f"{k}={v}" for k, v in sorted(_library_versions().items()))
     resolved = {**variant.model_dump(mode="json"), "runtime": variant.runtime.identity()}
     settings = json.dumps(resolved, sort_keys=True)  # defaults resolved: a changed default rebuilds
     key = f"{base_hash}\0{data_hash}\0{variant.recipe_hash()}\0{settings}\0{builder}\0{versions}"
+    if draft is not None:
+        key += "\0" + variant_build_key(draft, base_hash, data_hash)
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def plain_twin(variant: VariantConfig) -> VariantConfig | None:
+    """The same recipe without speculative decoding (its bytes are the speculative variant's), or None when the
+    variant does not speculate."""
+    if variant.runtime.speculative is None:
+        return None
+    runtime = variant.runtime.model_dump(exclude_unset=True, exclude={"speculative"})
+    return VariantConfig.model_validate({**variant.recipe(), "runtime": runtime})
 
 
 def build_variant(
@@ -72,24 +88,58 @@ def build_variant(
     calibration: list[str] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     statistics: Path | None = None,
+    draft: tuple[str, VariantConfig] | None = None,
+    siblings: Path | None = None,
 ) -> VariantManifest:
     """Build the variant into `out_dir`, or return the existing manifest when an intact artifact has the same key.
 
     `calibration` is the calibration split's text (pruning importance, healing, distillation); long training
     steps checkpoint beside `out_dir` and resume there after an interruption. `statistics`: the folder of
     content-addressed calibration captures shared by every variant and run (tasks/techniques/calibration.py).
+    `draft`: the (name, recipe) of the variant a `speculative: {method: draft}` variant proposes with, built into
+    its `draft/` folder. `siblings` (default: `out_dir`'s folder): where other variants' folders lie; bytes one
+    of them already holds under the same key are linked, not built again (a speculative variant's weights are its
+    plain twin's, a draft's are its own variant's).
     """
-    build_key = variant_build_key(variant, base.content_hash, data_hash)
+    siblings = siblings or out_dir.parent
+    build_key = variant_build_key(variant, base.content_hash, data_hash, draft[1] if draft else None)
     existing = _reusable_manifest(out_dir, build_key)
     if existing is not None:
         return existing
     checkpoints = out_dir.with_name(out_dir.name + ".checkpoint") / build_key[:16]
     context = BuildContext(list(calibration or []), checkpoints, progress, source=base.source)
+    twin = plain_twin(variant)
     with staged_folder(out_dir) as staging, statistics_cache(statistics):  # nothing half-built stays behind
-        try:
-            weights_format, engine, parameters, notes = _apply_recipe(variant, base.path, staging, context)
-        except StepArgumentError as exc:
-            raise ConfigError(f"params.yaml: variants.{name}.steps: {exc}") from exc
+        built = _linked_from_sibling(
+            siblings,
+            build_key if twin is None else variant_build_key(twin, base.content_hash, data_hash),
+            staging,
+        )
+        if built is not None:
+            weights_format, engine, parameters = built.weights_format, built.engine, built.parameters
+            notes = list(built.notes)
+            context.history, context.mixed_precision = dict(built.training), dict(built.mixed_precision)
+        else:
+            try:
+                weights_format, engine, parameters, notes = _apply_recipe(
+                    variant, base.path, staging, context
+                )
+            except StepArgumentError as exc:
+                raise ConfigError(f"params.yaml: variants.{name}.steps: {exc}") from exc
+        if draft is not None:
+            build_variant(
+                draft[0],
+                draft[1],
+                base,
+                data_hash,
+                staging / DRAFT_FOLDER,
+                calibration,
+                progress,
+                statistics,
+                siblings=siblings,
+            )
+        if variant.runtime.speculative is not None:
+            notes.append(_speculation_note(variant))
         failpoint("optimize")  # tests: SIGKILL with the variant half written
         files = file_hashes(staging)
         manifest = VariantManifest(
@@ -115,6 +165,39 @@ def build_variant(
         manifest.write(staging)
     shutil.rmtree(checkpoints.parent, ignore_errors=True)
     return manifest
+
+
+def _speculation_note(variant: VariantConfig) -> str:
+    settings = variant.runtime.speculative
+    how = (
+        f"draft variant {settings.draft}"
+        if settings.method == "draft"
+        else f"n-gram lookup (≤ {settings.ngram_size})"
+    )
+    return f"speculative decoding at batch 1: {how} proposes up to {settings.tokens} tokens per check"
+
+
+def _linked_from_sibling(siblings: Path, build_key: str, dest: Path) -> VariantManifest | None:
+    """When an intact variant folder in `siblings` was built under `build_key`, its files linked (or copied)
+    into `dest`, its manifest returned; else None."""
+    if not siblings.is_dir():
+        return None
+    for folder in sorted(siblings.iterdir()):
+        manifest = _reusable_manifest(folder, build_key) if folder.is_dir() and folder != dest else None
+        if manifest is None:
+            continue
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            relative = path.relative_to(folder)
+            if relative.as_posix() == MANIFEST_FILE:
+                continue
+            target = dest / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)  # the same bytes; a later rebuild of the sibling replaces its own files
+            except OSError:
+                shutil.copy2(path, target)
+        return manifest
+    return None
 
 
 def _reusable_manifest(out_dir: Path, build_key: str) -> VariantManifest | None:

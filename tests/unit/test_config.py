@@ -186,6 +186,7 @@ def test_step_defaults_are_declared_on_the_config_models_and_none_only_means_off
         "DistillStep.layers",
         "RuntimeSettings.sliding_window",
         "RuntimeSettings.threads",
+        "RuntimeSettings.speculative",  # no speculative decoding
         "OnnxGenAIStep.mixed_precision",
     }
 

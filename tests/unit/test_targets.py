@@ -144,3 +144,5 @@ def test_tensor_parallelism_runs_float_torch_variants_over_as_many_gpus_as_are_v
     assert quantized.startswith("variants.v.steps[0].quantize: tensor parallelism splits float torch weights")
     (compiled,) = _split("cuda", 2, runtime={"kv_cache": "static", "compile": True})
     assert compiled.startswith("variants.v.runtime.kv_cache: not run with tensor parallelism")
+    (speculative,) = _split("cuda", 2, runtime={"speculative": {"method": "ngram"}})
+    assert speculative.startswith("variants.v.runtime.speculative: not run with tensor parallelism")
