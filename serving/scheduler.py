@@ -148,6 +148,7 @@ class _Running:
     produced: int = 0
     last: int = -1
     generated: list[int] = field(default_factory=list)
+    proposer: Any = None  # its speculative proposer, made on its first speculative step
 
 
 class Scheduler:
@@ -171,6 +172,9 @@ class Scheduler:
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._wake = threading.Condition()
         self._closed = False
+        self._speculating: _Running | None = (
+            None  # the request whose proposer is current (see _speculative_step)
+        )
         self._thread = threading.Thread(target=self._work, name="llmopt-scheduler", daemon=True)
         self._thread.start()
 
@@ -365,6 +369,11 @@ class Scheduler:
         if not running:
             return
         started = time.perf_counter()
+        if self._speculates(decoder, running):
+            self._speculative_step(decoder, running)
+            if self.metrics:
+                self.metrics.engine_seconds("decode", time.perf_counter() - started)
+            return
         stepped = decoder.step({s: item.last for s, item in running.items()})
         if self.metrics:
             self.metrics.engine_seconds("decode", time.perf_counter() - started)
@@ -375,6 +384,48 @@ class Scheduler:
             except Exception as exc:  # e.g. a sampling failure: this request ends, its neighbours go on
                 log.exception("a request failed choosing its token")
                 self._drop(decoder, running, sequence, running[sequence].request, exc)
+
+    def _speculates(self, decoder: Any, running: dict[int, _Running]) -> bool:
+        """Speculative decoding (the variant's runtime.speculative) while one greedy request runs and none waits:
+        beside other requests, batching them gives more than guessing for one (docs/serving.md)."""
+        speculation = self.runtime.speculation
+        if speculation is None or not speculation.enabled or not decoder.verifies or len(running) != 1:
+            return False
+        (item,) = running.values()
+        return item.request.sampling.temperature < GREEDY_BELOW and not self._queue
+
+    def _speculative_step(self, decoder: Any, running: dict[int, _Running]) -> None:
+        """The running request's last token and the proposer's guesses in one engine call; each guess is kept
+        while it is the token the request would choose there (penalties included), then one more from the
+        logits after the last kept one, and the cache is rewound past the refused ones."""
+        ((sequence, item),) = running.items()
+        request, speculation = item.request, self.runtime.speculation
+        if item.proposer is None or self._speculating is not item:
+            # a draft engine keeps one sequence: a request that speculated before another did starts afresh
+            capacity = len(request.prompt) + request.max_tokens + speculation.settings.tokens + 1
+            item.proposer, self._speculating = speculation.proposer(capacity), item
+        room = (
+            request.max_tokens - item.produced - 1
+        )  # a guess kept short of the budget leaves room for one more
+        guesses = item.proposer.propose(
+            request.prompt + item.generated, min(speculation.settings.tokens, room)
+        )
+        rows = decoder.verify(sequence, [item.last, *guesses])
+        stats = speculation.stats
+        stats.calls, stats.proposed = stats.calls + 1, stats.proposed + len(guesses)
+        for index, row in enumerate(rows):
+            try:
+                self._emit(decoder, running, sequence, row)
+            except Exception as exc:
+                log.exception("a request failed choosing its token")
+                self._drop(decoder, running, sequence, request, exc)
+                return
+            if sequence not in running:  # finished (its cache is gone)
+                return
+            if index == len(guesses) or item.last != guesses[index]:
+                break
+            stats.accepted += 1
+        decoder.rewind(sequence, len(request.prompt) + len(item.generated) - 1)  # all but the last token
 
     def _drop(
         self, decoder: Any, running: dict, sequence: int | None, request: GenerationRequest, exc: Exception

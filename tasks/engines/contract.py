@@ -36,8 +36,8 @@ Stepping (`batch_decoder`)
 Speculation (`sequence`)
     A variant with runtime.speculative decodes prompts that run alone (a group of one in `generate`) through the
     verify loop of tasks/engines/speculative.py, on the engine's `sequence`: several tokens in one call, the logits
-    of each, the cache rewound after rejected guesses. Batches of several prompts and serving's batch decoder
-    decode plainly.
+    of each, the cache rewound after rejected guesses. Batches of several prompts decode plainly; the server
+    speculates while one greedy request runs, on decoders that `verifies` (llama.cpp, PyTorch).
 
 Engines subclass `Runtime` and implement `score`, `_generate_batch`, `batch_decoder` and `sequence`; `generate`
 (grouping, order, speculation, cutting at EOS) is shared, so every engine batches the same way.
@@ -138,6 +138,18 @@ class BatchDecoder(abc.ABC):
     # Whether a newcomer may take the cache of a prompt start another sequence holds (decoders that can; set by
     # the server from serve.prefix_reuse)
     reuse_prefixes: bool = True
+    # Whether a running sequence can check several tokens in one call (`verify` + `rewind`): the server's
+    # speculative decoding while one request runs
+    verifies: bool = False
+
+    def verify(self, sequence: int, tokens: list[int]) -> Any:
+        """Append `tokens` to a running sequence in one engine call (it must be the only one running); float32
+        logits after each of them [len(tokens), vocabulary]."""
+        raise NotImplementedError(f"{type(self).__name__} steps one token at a time")
+
+    def rewind(self, sequence: int, length: int) -> None:
+        """Keep only the first `length` tokens of a sequence's cache (after guesses its `verify` refused)."""
+        raise NotImplementedError(f"{type(self).__name__} steps one token at a time")
 
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
         """A new sequence to be filled by `step_with_prefill` (chunked decoders only): (its id, how many of

@@ -241,6 +241,7 @@ class LlamaCppBatchDecoder(BatchDecoder):
     same tokens at the same positions have the same keys and values, so the answer does not change."""
 
     chunked_prefill = True  # a prompt's slice and the running sequences' tokens go into one llama_decode
+    verifies = True  # several positions of one sequence in one llama_decode, cells removed on rewind
 
     def __init__(self, context: _Context, runtime: LlamaCppRuntime) -> None:
         self._context, self._runtime = context, runtime  # the runtime owns the model the context uses
@@ -326,6 +327,21 @@ class LlamaCppBatchDecoder(BatchDecoder):
             self._tokens[filling].extend(chunk)
             last = logits[-1][-1]
         return {sequence: rows[-1] for sequence, rows in zip(order, logits, strict=False)}, last
+
+    def verify(self, sequence: int, tokens: list[int]) -> Any:
+        if set(self._slots) - self._filling != {sequence}:
+            raise ValueError(f"verify runs sequence {sequence} alone; running: {sorted(self._slots)}")
+        self.steps += 1
+        (logits,) = self._context.decode([(self._slots[sequence], tokens, self._lengths[sequence], True)])
+        self._lengths[sequence] += len(tokens)
+        self._tokens[sequence].extend(tokens)
+        return logits
+
+    def rewind(self, sequence: int, length: int) -> None:
+        if length < self._lengths[sequence]:
+            self._context.truncate(self._slots[sequence], length)
+            self._lengths[sequence] = length
+            del self._tokens[sequence][length:]
 
     def remove(self, sequence: int) -> None:
         self._context.forget(self._slots.pop(sequence))

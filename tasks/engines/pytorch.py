@@ -200,6 +200,28 @@ class TorchBatchDecoder(BatchDecoder):
             logits[sequence], self._caches[sequence] = self._forward([token], self._caches[sequence])
         return logits
 
+    verifies = True  # a sequence's own dynamic cache takes several tokens, and is cropped on rewind
+
+    def verify(self, sequence: int, tokens: list[int]) -> Any:
+        import torch
+
+        if set(self._caches) != {sequence}:
+            raise ValueError(f"verify runs sequence {sequence} alone; running: {sorted(self._caches)}")
+        self.steps += 1
+        with self._no_grad():
+            out = self._model(
+                input_ids=torch.tensor([tokens], device=self._device),
+                past_key_values=self._caches[sequence],
+                use_cache=True,
+            )
+        self._caches[sequence] = out.past_key_values
+        return out.logits[0].float().cpu().numpy()
+
+    def rewind(self, sequence: int, length: int) -> None:
+        cache = self._caches[sequence]
+        if length < cache.get_seq_length():
+            cache.crop(length - cache.get_seq_length())  # negative: tokens to remove
+
     def remove(self, sequence: int) -> None:
         del self._caches[sequence]
 

@@ -232,6 +232,14 @@ class Speculation:
         self.enabled = True
         self._proposer = DraftProposer(draft) if draft is not None else NgramProposer(settings.ngram_size)
 
+    def proposer(self, capacity: int) -> NgramProposer | DraftProposer:
+        """A proposer of its own for one sequence of at most `capacity` tokens (the server's requests)."""
+        proposer = (
+            DraftProposer(self.draft) if self.draft is not None else NgramProposer(self.settings.ngram_size)
+        )
+        proposer.reset(capacity)
+        return proposer
+
     def generate(
         self, runtime: Runtime, prompt: list[int], max_new_tokens: int, stop_at_eos: bool
     ) -> list[int]:

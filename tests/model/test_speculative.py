@@ -142,3 +142,48 @@ def test_the_leaderboard_shows_speculation_by_prompt_style(trained_variants):
 def test_speculation_is_refused_where_it_cannot_run(tmp_path: Path):
     with pytest.raises(ValueError, match="sliding_window"):
         VariantConfig.model_validate({"runtime": {"sliding_window": 64, "speculative": {"method": "ngram"}}})
+
+
+def serve_alone(
+    runtime, prompt: list[int], tokens: int, sampling=None, stop_ids=frozenset()
+) -> tuple[list[int], list, int]:
+    """One request through the server's scheduler: (its tokens, its last event, engine calls)."""
+    import threading
+
+    from serving.scheduler import GenerationRequest, Sampling, Scheduler
+
+    scheduler = Scheduler(runtime, max_batch=4, max_queue=4)
+    out, events, done = [], [], threading.Event()
+
+    def on_event(event):
+        if event[0] == "token":
+            out.append(event[1][0])
+        elif event[0] in ("done", "error"):
+            events.append(event)
+            done.set()
+
+    scheduler.submit(GenerationRequest(prompt, tokens, sampling or Sampling(), on_event, stop_ids))
+    assert done.wait(120)
+    scheduler.close()
+    return out, events, scheduler.steps
+
+
+@pytest.mark.parametrize("name", ["baseline", "llama_q8_0"])
+def test_the_server_speculates_while_one_greedy_request_runs(trained_variants, name):
+    from serving.scheduler import Sampling
+
+    runtime = load_runtime(trained_variants[name], threads=1)
+    prompt = runtime.encode(REPEATING)
+    expected = runtime.generate([prompt], 48, stop_at_eos=False)[0]
+    plain_tokens, _, plain_calls = serve_alone(runtime, prompt, 48)
+    runtime.speculation = Speculation(SpeculativeSettings(method="ngram", tokens=4, ngram_size=2))
+    tokens, events, calls = serve_alone(runtime, prompt, 48)
+    assert tokens == plain_tokens == expected and events == [("done", "length")]
+    assert runtime.speculation.stats.accepted > 0 and calls < plain_calls == 48
+    stop = expected[30]  # a stop token met among kept guesses ends the request there
+    tokens, events, _ = serve_alone(runtime, prompt, 48, stop_ids=frozenset({stop}))
+    assert tokens == expected[: expected.index(stop) + 1] and events == [("done", "stop")]
+    # a sampled request decodes plainly (the server applies the rejection rule to greedy requests only)
+    before = runtime.speculation.stats.calls
+    sampled, _, calls = serve_alone(runtime, prompt, 12, Sampling(temperature=1.0, seed=3))
+    assert len(sampled) == 12 and calls == 12 and runtime.speculation.stats.calls == before
