@@ -392,7 +392,9 @@ class Scheduler:
         if speculation is None or not speculation.enabled or not decoder.verifies or len(running) != 1:
             return False
         (item,) = running.values()
-        return item.request.sampling.temperature < GREEDY_BELOW and not self._queue
+        request = item.request
+        room = len(request.prompt) + request.max_tokens
+        return request.sampling.temperature < GREEDY_BELOW and not self._queue and speculation.fits(room)
 
     def _speculative_step(self, decoder: Any, running: dict[int, _Running]) -> None:
         """The running request's last token and the proposer's guesses in one engine call; each guess is kept
@@ -402,7 +404,7 @@ class Scheduler:
         request, speculation = item.request, self.runtime.speculation
         if item.proposer is None or self._speculating is not item:
             # a draft engine keeps one sequence: a request that speculated before another did starts afresh
-            capacity = len(request.prompt) + request.max_tokens + speculation.settings.tokens + 1
+            capacity = len(request.prompt) + request.max_tokens
             item.proposer, self._speculating = speculation.proposer(capacity), item
         room = (
             request.max_tokens - item.produced - 1
@@ -419,12 +421,17 @@ class Scheduler:
             except Exception as exc:
                 log.exception("a request failed choosing its token")
                 self._drop(decoder, running, sequence, request, exc)
+                self._speculating = None
                 return
+            if self.metrics:
+                self.metrics.batch(1)  # a token decoded for a request running alone (the sum counts tokens)
+            kept = index < len(guesses) and item.last == guesses[index]
+            stats.accepted += kept
             if sequence not in running:  # finished (its cache is gone)
+                self._speculating = None  # nor is its proposer kept
                 return
-            if index == len(guesses) or item.last != guesses[index]:
+            if not kept:
                 break
-            stats.accepted += 1
         decoder.rewind(sequence, len(request.prompt) + len(item.generated) - 1)  # all but the last token
 
     def _drop(

@@ -531,8 +531,10 @@ class Config(Strict):
         base = self.variants.get(self.select.baseline)
         if base is None:
             raise ValueError(f"select.baseline names {self.select.baseline!r}, which is not in variants")
-        if base.steps or base.runtime.dtype != "float32":
-            raise ValueError(f"the baseline variant {self.select.baseline!r} must be fp32 with no steps")
+        if base.steps or base.runtime.dtype != "float32" or base.runtime.speculative is not None:
+            raise ValueError(
+                f"the baseline variant {self.select.baseline!r} must be fp32 with no steps and no speculation"
+            )
         for name, variant in self.variants.items():
             speculative = variant.runtime.speculative
             if speculative is None or speculative.draft is None:

@@ -105,7 +105,7 @@ def _log_and_register(
             code_paths=[
                 str(Path(__file__).parents[1])
             ],  # the tasks package: the engines travel with the model
-            pip_requirements=model_requirements(manifest),
+            pip_requirements=model_requirements(manifest, variant_dir),
             signature=infer_signature(["a prompt"], ["its completion"], params={"max_new_tokens": 64}),
         )
     all_tags = {
@@ -120,12 +120,18 @@ def _log_and_register(
     return str(mlflow.register_model(info.model_uri, model_name, tags=all_tags).version)
 
 
-def model_requirements(manifest: VariantManifest) -> list[str]:
-    """Pinned pip requirements of a registered variant: the serving packages plus its weights format's backend."""
+def model_requirements(manifest: VariantManifest, folder: Path | None = None) -> list[str]:
+    """Pinned pip requirements of a registered variant: the serving packages plus its weights format's backend
+    (and its speculative draft's, from `folder`/draft, which may run in another engine)."""
+    from tasks.engines.manifest import read_manifest
+    from tasks.engines.speculative import DRAFT_FOLDER
     from tasks.techniques import registry
 
     packages = list(SERVING_PACKAGES)
-    for step in manifest.recipe.get("steps", []):
+    steps = list(manifest.recipe.get("steps", []))
+    if folder is not None and (folder / DRAFT_FOLDER).is_dir():
+        steps += read_manifest(folder / DRAFT_FOLDER).recipe.get("steps", [])
+    for step in steps:
         for name, settings in step.items():
             read = registry.recorded_settings(name, settings)
             extra = read[0].packages(read[1]) if read else []

@@ -101,13 +101,19 @@ class Runtime(abc.ABC):
         outputs: list[list[int]] = [[] for _ in prompts]
         speculate = self.speculation is not None and self.speculation.enabled
         for indexes in groups.values():
-            if speculate and len(indexes) == 1:
+            room = len(prompts[indexes[0]]) + max_new_tokens
+            if speculate and len(indexes) == 1 and self.speculation.fits(room):
                 rows = [self.speculation.generate(self, prompts[indexes[0]], max_new_tokens, stop_at_eos)]
             else:
                 rows = self._generate_batch([prompts[i] for i in indexes], max_new_tokens, stop_at_eos)
             for index, row in zip(indexes, rows, strict=True):
                 outputs[index] = cut_after_eos(row, self.eos_token_id) if stop_at_eos else row
         return outputs
+
+    def suppressed_at_length(self, stop_at_eos: bool) -> frozenset[int]:
+        """Token ids `_generate_batch` never picks when it runs to length (`stop_at_eos` off): the engines whose
+        generator enforces a minimum length bar the end-of-sequence ids (speculation bars them the same way)."""
+        return frozenset()
 
     def sequence(self, capacity: int) -> Any:
         """One sequence's KV cache, for speculative decoding (`tasks.engines.speculative.Sequence`: extend by

@@ -175,8 +175,9 @@ class _Context:
         self._lib.llama_memory_seq_rm(self._memory, sequence, -1, -1)
 
     def truncate(self, sequence: int, length: int) -> None:
-        """Free `sequence`'s cells from position `length` on."""
-        self._lib.llama_memory_seq_rm(self._memory, sequence, length, -1)
+        """Free `sequence`'s cells from position `length` on (an error where the cache cannot drop a tail)."""
+        if not self._lib.llama_memory_seq_rm(self._memory, sequence, length, -1):
+            raise EngineError(f"llama.cpp cannot rewind this model's cache to {length} tokens")
 
     def share(self, source: int, target: int, length: int) -> None:
         """Give `target` the cache cells of `source`'s first `length` positions (the unified cache shares the

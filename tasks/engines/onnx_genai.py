@@ -44,8 +44,15 @@ class OrtGenAIRuntime(Runtime):
         shape = (decoder["num_key_value_heads"], decoder["head_size"])
         return OrtBatchDecoder(self._folder / decoder["filename"], shape, self._threads)
 
+    def suppressed_at_length(self, stop_at_eos: bool) -> frozenset[int]:
+        if stop_at_eos:
+            return frozenset()
+        eos = json.loads((self._folder / "genai_config.json").read_text())["model"].get("eos_token_id")
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]  # what `min_length` bars
+        return frozenset(ids)
+
     def sequence(self, capacity: int) -> OrtSequence:
-        return OrtSequence(self._generator([[]], capacity))
+        return OrtSequence(self._generator([[]], min(capacity, self.context_length)))
 
     def _generator(self, batch: list[list[int]], max_length: int, min_length: int = 0) -> Any:
         params = self._og.GeneratorParams(self.model)

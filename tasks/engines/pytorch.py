@@ -93,6 +93,13 @@ class TorchRuntime(Runtime):
         with self._no_grad():
             return self.model(input_ids=torch.tensor(sequences, device=self.device)).logits.float().cpu()
 
+    def suppressed_at_length(self, stop_at_eos: bool) -> frozenset[int]:
+        if stop_at_eos:
+            return frozenset()
+        eos = self.model.generation_config.eos_token_id  # what `min_new_tokens` bars: an id, a list or None
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        return frozenset(ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
+
     def sequence(self, capacity: int) -> TorchSequence:
         return TorchSequence(self.model, self._no_grad, self.device)
 

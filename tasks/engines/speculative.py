@@ -131,14 +131,21 @@ class DraftProposer:
         return guesses
 
 
+@dataclass
 class Greedy:
-    """Keep a proposal while it is the arg-max."""
+    """Keep a proposal while it is the arg-max (of the tokens not `suppressed`: the end-of-sequence ids where the
+    engine's plain decoding runs to length without them, so that speculation gives its tokens)."""
+
+    suppressed: frozenset[int] = frozenset()
 
     def first(self, logits: np.ndarray) -> int:
+        if self.suppressed:
+            logits = np.array(logits, dtype=np.float32)
+            logits[list(self.suppressed)] = -np.inf
         return int(np.argmax(logits))
 
     def check(self, logits: np.ndarray, proposal: int) -> tuple[bool, int]:
-        best = int(np.argmax(logits))
+        best = self.first(logits)
         return best == proposal, best
 
 
@@ -232,6 +239,10 @@ class Speculation:
         self.enabled = True
         self._proposer = DraftProposer(draft) if draft is not None else NgramProposer(settings.ngram_size)
 
+    def fits(self, capacity: int) -> bool:
+        """Whether the proposer can hold a sequence of `capacity` tokens (a draft has its own context length)."""
+        return self.draft is None or capacity <= self.draft.context_length
+
     def proposer(self, capacity: int) -> NgramProposer | DraftProposer:
         """A proposer of its own for one sequence of at most `capacity` tokens (the server's requests)."""
         proposer = (
@@ -243,8 +254,11 @@ class Speculation:
     def generate(
         self, runtime: Runtime, prompt: list[int], max_new_tokens: int, stop_at_eos: bool
     ) -> list[int]:
-        """The greedy continuation of one prompt, speculatively."""
-        capacity = len(prompt) + max_new_tokens + self.settings.tokens + 1
+        """The greedy continuation of one prompt, speculatively: the tokens `runtime._generate_batch` gives
+        where the engine's k-token calls compute what its one-token calls do."""
+        capacity = (
+            len(prompt) + max_new_tokens
+        )  # the verify loop never holds more (guesses stop at the budget)
         self._proposer.reset(capacity)
         return speculative_decode(
             runtime.sequence(capacity),
@@ -252,7 +266,7 @@ class Speculation:
             prompt,
             max_new_tokens,
             self.settings.tokens,
-            Greedy(),
+            Greedy(runtime.suppressed_at_length(stop_at_eos)),
             runtime.eos_token_id if stop_at_eos else None,
             self.stats,
         )

@@ -102,6 +102,15 @@ def build_variant(
     plain twin's, a draft's are its own variant's).
     """
     siblings = siblings or out_dir.parent
+    speculative = variant.runtime.speculative
+    if (
+        speculative is not None
+        and speculative.method == "draft"
+        and (draft is None or draft[0] != speculative.draft)
+    ):
+        raise ConfigError(
+            f"params.yaml: variants.{name}: its draft {speculative.draft!r} must be built with it (pass its recipe)"
+        )
     build_key = variant_build_key(variant, base.content_hash, data_hash, draft[1] if draft else None)
     existing = _reusable_manifest(out_dir, build_key)
     if existing is not None:
@@ -183,7 +192,10 @@ def _linked_from_sibling(siblings: Path, build_key: str, dest: Path) -> VariantM
     if not siblings.is_dir():
         return None
     for folder in sorted(siblings.iterdir()):
-        manifest = _reusable_manifest(folder, build_key) if folder.is_dir() and folder != dest else None
+        finished = (
+            folder.is_dir() and folder != dest and not folder.name.endswith((".partial", ".checkpoint"))
+        )
+        manifest = _reusable_manifest(folder, build_key) if finished else None
         if manifest is None:
             continue
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):

@@ -45,7 +45,6 @@ def test_greedy_speculation_gives_the_engines_own_greedy_tokens(trained_variants
     )
     assert spoken == plain  # 96 tokens each: every rewind left the cache right
     assert 0 < stats.accepted < stats.proposed  # guesses were kept and refused
-    assert stats.calls < 2 * 96  # fewer verify calls than tokens
 
 
 def test_a_draft_model_in_another_engine_proposes_and_the_target_decides(trained_variants):
@@ -72,7 +71,6 @@ def test_onnx_int4_verify_is_measured_not_assumed(trained_variants):
     assert [s.style for s in styles] == ["continue", "copy"]
     for style in styles:
         assert 0 < style.agreement <= 1 and style.proposed > 0 and style.plain_tok_s > 0
-        assert style.ratio_ci[0] <= style.ratio <= style.ratio_ci[1]
     assert runtime.speculation.enabled and runtime.speculation.stats.proposed == 0  # left as found
 
 
@@ -112,6 +110,13 @@ def test_a_speculative_variant_links_its_twins_bytes_and_carries_its_draft(tiny_
         assert runtime.generate([prompt], 40, stop_at_eos=False)[0] == expected
         assert runtime.speculation.stats.calls > 0
     assert load_runtime(variants / "drafted", threads=1).speculation.draft.manifest.engine == "llama.cpp"
+    # registered, it names the draft's engine among its requirements (a torch model with a llama.cpp draft)
+    from tasks.decide.registry import model_requirements
+
+    assert not any(
+        r.startswith("llama-cpp-python==") for r in model_requirements(lookup, variants / "lookup")
+    )
+    assert any(r.startswith("llama-cpp-python==") for r in model_requirements(drafted, variants / "drafted"))
     # a changed draft recipe is another build
     other = VariantConfig.model_validate({"steps": [{"llama_cpp": {"type": "Q8_0"}}]})
     rebuilt = build_variant(
@@ -139,9 +144,26 @@ def test_the_leaderboard_shows_speculation_by_prompt_style(trained_variants):
     )
 
 
-def test_speculation_is_refused_where_it_cannot_run(tmp_path: Path):
+def test_speculation_is_refused_where_it_cannot_run(tiny_base, tmp_path: Path):
+    from tasks.errors import ConfigError
+
     with pytest.raises(ValueError, match="sliding_window"):
         VariantConfig.model_validate({"runtime": {"sliding_window": 64, "speculative": {"method": "ngram"}}})
+    drafted = VariantConfig.model_validate(
+        {"runtime": {"speculative": {"method": "draft", "draft": "small"}}}
+    )
+    with pytest.raises(ConfigError, match="its draft 'small' must be built with it"):
+        build_variant("drafted", drafted, tiny_base, "d", tmp_path / "drafted")
+    assert not (tmp_path / "drafted").exists()
+
+
+def test_runs_to_length_bar_the_end_of_sequence_as_plain_decoding_does(trained_variants):
+    """torch's `min_new_tokens` and ONNX Runtime GenAI's `min_length` bar the EOS ids when a benchmark runs to
+    length; speculation bars the same ids (llama.cpp's plain loop bars none)."""
+    for name, barred in (("baseline", True), ("onnx_fp32", True), ("llama_q8_0", False)):
+        runtime = load_runtime(trained_variants[name], threads=1)
+        assert runtime.suppressed_at_length(True) == frozenset()
+        assert (runtime.eos_token_id in runtime.suppressed_at_length(False)) is barred
 
 
 def serve_alone(

@@ -51,8 +51,8 @@ def test_the_rejection_rule_emits_the_targets_distribution_whatever_the_proposal
 
 
 class MarkovEngine:
-    """A fake engine whose next-token logits depend on the last token only, with a cache it must keep right: it
-    records the tokens it holds and refuses an extension that does not follow them."""
+    """A fake engine whose next-token logits depend on the last token only; it records the tokens its cache holds
+    (the tests compare them with the output) and refuses a rewind past its end."""
 
     def __init__(self, logits: np.ndarray) -> None:
         self.logits, self.held, self.calls = logits, [], 0
@@ -107,7 +107,12 @@ def test_greedy_speculative_output_is_the_greedy_output_and_stops_at_eos(guesses
     engine = MarkovEngine(LOGITS)
     plain = [1, 0, 1, 0, 1, 0, 1]  # greedy chain from 0: argmax 1, then 0, then 1 ...
     assert speculative_decode(engine, FixedGuesses(guesses), [0], 7, 4, Greedy()) == plain
-    assert len(engine.held) <= 1 + 7  # rewound after every refusal
+    # the cache holds the prompt and the output but the last token, never a refused guess
+    assert engine.held in ([0, *plain[:-1]], [0, *plain])
+    barred = speculative_decode(
+        MarkovEngine(LOGITS), FixedGuesses(guesses), [0], 5, 4, Greedy(frozenset({1}))
+    )
+    assert barred == [2, 2, 2, 2, 2]  # 1 barred (runs to length): 0 → 2 → 2 ...
     assert speculative_decode(MarkovEngine(LOGITS), FixedGuesses(guesses), [2], 9, 4, Greedy(), eos=0) == [
         2,
         2,
