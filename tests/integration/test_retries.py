@@ -65,8 +65,15 @@ def register(config: Config, folder, run_id: str):
         "the winner",
         return_state=True,
     )
-    with get_client(sync_client=True) as client:
-        history = client.read_task_run_states(state.state_details.task_run_id)
+    import time
+
+    with get_client(sync_client=True) as client:  # task run states reach the server as events, a moment later
+        deadline = time.monotonic() + 30
+        while True:
+            history = client.read_task_run_states(state.state_details.task_run_id)
+            if any(s.type == state.type for s in history) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     return state, sorted(history, key=lambda s: s.timestamp)
 
 
