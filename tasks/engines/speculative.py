@@ -237,7 +237,6 @@ class Speculation:
         self.settings, self.draft = settings, draft
         self.stats = Stats()
         self.enabled = True
-        self._proposer = DraftProposer(draft) if draft is not None else NgramProposer(settings.ngram_size)
 
     def fits(self, capacity: int) -> bool:
         """Whether the proposer can hold a sequence of `capacity` tokens (a draft has its own context length)."""
@@ -256,13 +255,11 @@ class Speculation:
     ) -> list[int]:
         """The greedy continuation of one prompt, speculatively: the tokens `runtime._generate_batch` gives
         where the engine's k-token calls compute what its one-token calls do."""
-        capacity = (
-            len(prompt) + max_new_tokens
-        )  # the verify loop never holds more (guesses stop at the budget)
-        self._proposer.reset(capacity)
+        # the verify loop never holds more than the prompt and the budget (guesses stop at it)
+        capacity = len(prompt) + max_new_tokens
         return speculative_decode(
             runtime.sequence(capacity),
-            self._proposer,
+            self.proposer(capacity),
             prompt,
             max_new_tokens,
             self.settings.tokens,
@@ -270,11 +267,6 @@ class Speculation:
             runtime.eos_token_id if stop_at_eos else None,
             self.stats,
         )
-
-    def describe(self) -> str:
-        settings = self.settings
-        how = f"draft {settings.draft}" if settings.method == "draft" else f"n-gram ≤ {settings.ngram_size}"
-        return f"speculative ({how}, {settings.tokens} tokens per check)"
 
 
 def attach(runtime: Runtime, folder: Any, threads: int, device: str) -> None:

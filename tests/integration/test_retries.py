@@ -65,15 +65,16 @@ def register(config: Config, folder, run_id: str):
         "the winner",
         return_state=True,
     )
-    import time
+    from tests.model.test_serving_lifecycle import eventually
 
-    with get_client(sync_client=True) as client:  # task run states reach the server as events, a moment later
-        deadline = time.monotonic() + 30
-        while True:
-            history = client.read_task_run_states(state.state_details.task_run_id)
-            if any(s.type == state.type for s in history) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+    history: list = []
+
+    def final_state_recorded() -> bool:  # task run states reach the server as events, a moment later
+        history[:] = client.read_task_run_states(state.state_details.task_run_id)
+        return any(s.type == state.type for s in history)
+
+    with get_client(sync_client=True) as client:
+        eventually(final_state_recorded, "the task run's final state on the Prefect server")
     return state, sorted(history, key=lambda s: s.timestamp)
 
 
