@@ -125,8 +125,10 @@ def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = Fal
         from flows.pipeline import prepare_flow
 
         base, data = prepare_flow(config, root)
+        passages = ", ".join(f"{count} {split}" for split, count in data.counts.items())
         console.print(
-            f"base model {base.path} (sha256 {base.content_hash[:12]}); data {data.counts}", soft_wrap=True
+            f"base model {base.path} (sha256 {base.content_hash[:12]}); data: {passages} passages in {data.folder}",
+            soft_wrap=True,
         )
 
 
