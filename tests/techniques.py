@@ -221,13 +221,18 @@ def off_uniform_grid(
     return ~(fits | flat)
 
 
-def off_codebook(groups: np.ndarray, codebook: np.ndarray, tolerance: float = 2e-3) -> np.ndarray:
+def off_codebook(
+    groups: np.ndarray, codebook: np.ndarray, tolerance: float = 2e-3, read_precision: float = 0.0
+) -> np.ndarray:
     """Per row of `groups`, True unless its values divided by their largest magnitude are all `codebook` entries
-    (scaled to ±1): how NF4/FP4 dequantize, one absmax per block."""
+    (scaled to ±1): how NF4/FP4 dequantize, one absmax per block. `read_precision`: the relative rounding of the
+    values as read, added to the tolerance (bitsandbytes' fused CPU kernel on AVX512-BF16 machines computes in
+    bfloat16: 2^-8, the value and its block's largest each rounded). The entries lie at least 0.08 apart, so even
+    then a block of random floats cannot pass."""
     scale = np.abs(groups).max(axis=1, keepdims=True)
     normalised = groups / np.where(scale == 0, 1.0, scale)
     distance = np.abs(normalised[:, :, None] - codebook[None, None, :]).min(axis=2)
-    return (distance >= tolerance).any(axis=1)
+    return (distance >= tolerance + read_precision).any(axis=1)
 
 
 def effective_weights(model) -> dict[str, np.ndarray]:
@@ -285,10 +290,13 @@ def stored_problems(folder: Path, claim: Claim, runtime: Runtime) -> list[str]:
     problems = []
     book = codebook(claim.stored) if claim.stored in ("nf4", "fp4") else None
     bfloat16 = runtime.model.get_input_embeddings().weight.dtype == torch.bfloat16  # outputs read in bfloat16
+    # bitsandbytes repacks 4-bit weights at the first inference call on a CPU with AVX512-BF16 and multiplies in
+    # bfloat16 from then on (its own flag says which): its outputs are read at bfloat16's precision
+    fused_bfloat16 = any(getattr(m, "support_avx512bf16_for_cpu", False) for m in runtime.model.modules())
     for name, weight in effective_weights(runtime.model).items():
         if book is not None:  # bitsandbytes: blocks of 64 along the flattened (row-major) weight
             groups = weight.reshape(-1, 64)
-            bad = int(off_codebook(groups, book).sum())
+            bad = int(off_codebook(groups, book, read_precision=2**-8 if fused_bfloat16 else 0.0).sum())
         else:
             groups = weight.reshape(-1, claim.group)
             bad = int(
