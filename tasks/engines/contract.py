@@ -22,6 +22,8 @@ Generation (`generate`)
     (which it keeps) or after `max_new_tokens`; without it, exactly `max_new_tokens` ids come back (an EOS is then
     an ordinary token: benchmarks time a fixed amount of work). Prompts of equal length run together as one batch
     and no prompt is padded, so a prompt's continuation does not depend on which other prompts share the call.
+    An engine whose own loop sees the first tokens chosen reports when (`first_token_s`, through `_first_tokens`):
+    the benchmark takes TTFT from the decode call it times instead of a one-token call of its own.
 
 Stepping (`batch_decoder`)
     Serving drives generation one token at a time through a `BatchDecoder`: sequences join (their prompt is run
@@ -46,6 +48,7 @@ Engines subclass `Runtime` and implement `score`, `_generate_batch`, `batch_deco
 from __future__ import annotations
 
 import abc
+import time
 from typing import Any
 
 from tasks.engines.manifest import VariantManifest
@@ -61,6 +64,9 @@ class Runtime(abc.ABC):
     # The variant's speculative decoding (tasks/engines/speculative.py `Speculation`, attached by `load_runtime`
     # from runtime.speculative): `generate` uses it for prompts that run alone; None: plain decoding
     speculation: Any = None
+    # seconds from the start of the last `generate` call to the first tokens of the first batch its engine's own
+    # loop ran (prefill and first pick, every row of that batch), or None where the engine does not report them
+    first_token_s: float | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, no special tokens added (no BOS)."""
@@ -99,6 +105,7 @@ class Runtime(abc.ABC):
         for index, prompt in enumerate(prompts):
             groups.setdefault(len(prompt), []).append(index)
         outputs: list[list[int]] = [[] for _ in prompts]
+        self.first_token_s, self._generate_started = None, time.perf_counter()
         speculate = self.speculation is not None and self.speculation.enabled
         for indexes in groups.values():
             room = len(prompts[indexes[0]]) + max_new_tokens
@@ -109,6 +116,12 @@ class Runtime(abc.ABC):
             for index, row in zip(indexes, rows, strict=True):
                 outputs[index] = cut_after_eos(row, self.eos_token_id) if stop_at_eos else row
         return outputs
+
+    def _first_tokens(self) -> None:
+        """`_generate_batch` calls this once its first tokens are chosen: sets `first_token_s` for this call."""
+        started = getattr(self, "_generate_started", None)
+        if self.first_token_s is None and started is not None:
+            self.first_token_s = time.perf_counter() - started
 
     def suppressed_at_length(self, stop_at_eos: bool) -> frozenset[int]:
         """Token ids `_generate_batch` never picks when it runs to length (`stop_at_eos` off): the engines whose

@@ -121,6 +121,8 @@ class LlamaCppRuntime(Runtime):
             tokens = [int(np.argmax(row[-1])) for row in logits]
             for row, token in zip(rows, tokens, strict=True):
                 row.append(token)
+            if step == 0:
+                self._first_tokens()
             finished = stop_at_eos and all(self.eos_token_id in row for row in rows)
             if step == max_new_tokens - 1 or finished:
                 break

@@ -80,6 +80,8 @@ class OrtGenAIRuntime(Runtime):
             generator.generate_next_token()
             for row, token in zip(rows, generator.get_next_tokens(), strict=True):
                 row.append(int(token))
+            if len(rows[0]) == 1:
+                self._first_tokens()
         return rows
 
 

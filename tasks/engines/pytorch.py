@@ -123,6 +123,10 @@ class TorchRuntime(Runtime):
         import torch
 
         extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
+        # the time of the first tokens, on the CPU only: on a GPU the host copy of every step's tokens that the
+        # streamer gets would add a sync per step
+        if self.device.type == "cpu":
+            extra["streamer"] = _FirstTokens(self)
         with self._no_grad():
             generated = self.model.generate(
                 input_ids=torch.tensor(batch, device=self.device),
@@ -134,6 +138,22 @@ class TorchRuntime(Runtime):
                 **extra,
             )
         return generated[:, len(batch[0]) :].tolist()
+
+
+class _FirstTokens:
+    """A transformers streamer that tells the runtime when `generate` has chosen its first tokens (`put` gets the
+    prompt first, then each step's tokens)."""
+
+    def __init__(self, runtime: TorchRuntime) -> None:
+        self._runtime, self._puts = runtime, 0
+
+    def put(self, value: Any) -> None:
+        self._puts += 1
+        if self._puts == 2:
+            self._runtime._first_tokens()
+
+    def end(self) -> None:
+        pass
 
 
 class TorchSequence:

@@ -11,6 +11,7 @@ from tasks.measure.benchmark import (
     benchmark_in_fresh_process,
     decode_rate,
     decode_read_bytes,
+    measure,
     median_interval,
     median_trial,
     percentiles,
@@ -115,3 +116,24 @@ def test_an_untied_embedding_table_is_not_counted_as_read_per_token(tmp_path):
     save_file(tables, tmp_path / "a.safetensors")
     assert stored_tensor_bytes(tmp_path)["lm_head.weight"] == 4000
     assert decode_read_bytes(tmp_path) == weight_bytes(tmp_path) - 4000
+
+
+class _Stand:
+    """A runtime stand-in that counts its calls and reports (or not) its first tokens' time."""
+
+    def __init__(self, reports: bool) -> None:
+        self.reports, self.calls, self.first_token_s = reports, [], None
+
+    def generate(self, prompts, max_new_tokens, stop_at_eos=True):
+        self.calls.append(max_new_tokens)
+        self.first_token_s = 0.25 if self.reports else None
+        return [[1] * max_new_tokens for _ in prompts]
+
+
+def test_ttft_comes_from_the_timed_call_where_the_engine_reports_it_else_from_a_one_token_call():
+    reporting, silent = _Stand(reports=True), _Stand(reports=False)
+    ttft, total = measure(reporting, [[1, 2]], new_tokens=8, warmup=1, repeats=3)
+    assert ttft == [0.25] * 3 and len(total) == 3
+    assert reporting.calls == [4, 8, 8, 8]  # the warm-up, then the timed calls only: no second prefill
+    ttft, _ = measure(silent, [[1, 2]], new_tokens=8, warmup=1, repeats=3)
+    assert silent.calls == [4, 8, 1, 8, 1, 8, 1] and all(0 <= t < 0.25 for t in ttft)

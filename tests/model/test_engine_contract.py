@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tasks.engines import ENGINES, Runtime, load_runtime
@@ -53,3 +55,16 @@ def test_context_length_is_the_model_s(runtime, tiny_model_dir):
 
     config = json.loads((tiny_model_dir / "config.json").read_text())
     assert runtime.context_length == config["max_position_embeddings"]
+
+
+def test_generate_reports_when_its_first_tokens_were_chosen(runtime):
+    """`first_token_s`: set by every call, after the call began and long before a 64-token call ends (the prompt
+    is short, so its first tokens take about one step of 64); the benchmark takes TTFT from it."""
+    ids = runtime.encode(TEXT)[:8]
+    runtime.generate([ids, ids], 2, stop_at_eos=False)  # warm
+    for batch in ([ids], [ids, ids]):
+        runtime.first_token_s = -1.0
+        start = time.perf_counter()
+        runtime.generate(batch, 64, stop_at_eos=False)
+        elapsed = time.perf_counter() - start
+        assert 0 < runtime.first_token_s < 0.5 * elapsed, (runtime.first_token_s, elapsed)
