@@ -43,7 +43,9 @@ class OnnxGenAIStep(Strict):
     precision: Literal["int4", "int8", "fp32"] = "int4"
     block_size: Literal[16, 32, 64, 128, 256] = 32
     symmetric: bool = True
-    # 4 = int8 activations inside the int4/int8 MatMuls (VNNI kernels on AVX-512 CPUs); 0 = builder default.
+    # ONNX Runtime's MatMulNBits compute type: 4 = int8 activations inside the int4/int8 MatMuls (VNNI kernels on
+    # AVX-512 CPUs); 0 or 1 = float32 activations (most accurate); 2 / 3 = float16 / bfloat16. Always passed on: the
+    # builder's own default on CPU is 4, whatever 0 would say
     accuracy_level: Literal[0, 1, 2, 3, 4] = 4
     mixed_precision: MixedPrecision | None = None  # int4 only: keep the most sensitive matrices at int8
     # int4 only: how weights are rounded. rtn: to nearest; gptq: GPTQ on the calibration split (symmetric only)
@@ -312,8 +314,7 @@ def build_onnx_genai(
     `target_options`: the builder's structured options (e.g. per-node weight types of a mixed-precision plan);
     `shared_embeddings`: false to keep the builder from sharing a tied table (onnx_weights.py shares an int8 one)."""
     options = [f"block_size={step.block_size}", f"is_symmetric={str(step.symmetric).lower()}"]
-    if step.accuracy_level:
-        options.append(f"accuracy_level={step.accuracy_level}")
+    options.append(f"accuracy_level={step.accuracy_level}")
     if not step.symmetric or not shared_embeddings:
         # builder 0.18 emits an invalid graph for an asymmetric (uint4) or an int8 embedding shared with lm_head
         options.append("shared_embeddings=false")

