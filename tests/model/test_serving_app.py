@@ -160,6 +160,7 @@ def test_an_evaluation_harness_loglikelihood_request_scores_as_the_pipeline_does
     nll, count = runtime.score([ids])[0]
     assert choice.text == PROMPT and scored.usage.completion_tokens == 0
     assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    # the same engine's float32 logits, normalised and summed in another order: ~1e-6 apart; 1e-4 is generous
     assert sum(choice.logprobs.token_logprobs[1:]) == pytest.approx(-nll, abs=1e-4) and count == len(ids) - 1
     for logprob, top in zip(
         choice.logprobs.token_logprobs[1:], choice.logprobs.top_logprobs[1:], strict=True
