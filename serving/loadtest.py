@@ -296,6 +296,7 @@ def offline_same_mix(
     max_batch: int,
     prefill_chunk: int = 0,
     prefix_reuse: bool = True,
+    step_tokens: int | None = None,
 ) -> float:
     """Generated tok/s of the same request set run through the same engine and scheduler settings in this
     process, without HTTP or a client in between (`clients` in flight at once, each sending its next as one ends;
@@ -308,7 +309,9 @@ def offline_same_mix(
     eos = runtime.eos_token_id
     stops = frozenset() if eos is None else frozenset({eos})
     prompts = [runtime.encode(request.prompt) for request in requests]
-    scheduler = Scheduler(runtime, max_batch, max(len(requests), 1), None, prefill_chunk, prefix_reuse)
+    queue = max(len(requests), 1)
+    budget = {} if step_tokens is None else {"step_tokens": step_tokens}
+    scheduler = Scheduler(runtime, max_batch, queue, None, prefill_chunk, prefix_reuse, **budget)
     lock, pending, produced, finished = (
         threading.Lock(),
         list(range(len(requests))),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serving.scheduler import Scheduler
+from serving.scheduler import DEFAULT_STEP_TOKENS, Scheduler
 from serving.text import RequestError
 from tasks.config import ServeConfig
 from tasks.engines import Runtime
@@ -31,10 +31,29 @@ class Limits:
     max_queue: int
     prefill_chunk: int = 0
     prefix_reuse: bool = True
+    step_tokens: int = DEFAULT_STEP_TOKENS
 
     @classmethod
     def of(cls, settings: ServeConfig) -> Limits:
-        return cls(settings.max_batch, settings.max_queue, settings.prefill_chunk, settings.prefix_reuse)
+        return cls(
+            settings.max_batch,
+            settings.max_queue,
+            settings.prefill_chunk,
+            settings.prefix_reuse,
+            settings.step_tokens,
+        )
+
+    def scheduler(self, runtime: Runtime, metrics: Any = None) -> Scheduler:
+        """A scheduler (its worker started) for `runtime` with these settings."""
+        return Scheduler(
+            runtime,
+            self.max_batch,
+            self.max_queue,
+            metrics,
+            self.prefill_chunk,
+            self.prefix_reuse,
+            self.step_tokens,
+        )
 
 
 @dataclass(eq=False)
@@ -114,9 +133,7 @@ def serve_runtime(
 ) -> ServedModel:
     """A runtime already in memory, served as `name/version` (never swapped), e.g. by tests."""
     limits = Limits.of(settings)
-    scheduler = Scheduler(
-        runtime, limits.max_batch, limits.max_queue, metrics, limits.prefill_chunk, limits.prefix_reuse
-    )
+    scheduler = limits.scheduler(runtime, metrics)
     return ServedModel(name, None, LoadedModel(version, runtime, scheduler))
 
 
@@ -141,9 +158,7 @@ def load_version(
         scratch.cleanup()
         raise
     runtime.generate([runtime.encode("warm up")], 1)  # the first call pays for allocation, not a client
-    scheduler = Scheduler(
-        runtime, limits.max_batch, limits.max_queue, metrics, limits.prefill_chunk, limits.prefix_reuse
-    )
+    scheduler = limits.scheduler(runtime, metrics)
     return LoadedModel(version, runtime, scheduler, keep=scratch)
 
 

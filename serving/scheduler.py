@@ -4,7 +4,13 @@ together, one token per step; queued requests join between steps and finished on
 Engines are not thread-safe (og.Model, a torch module), and their bindings hold the GIL while stepping, so request
 handlers never touch the engine: they queue a `GenerationRequest` and receive its tokens as events. The worker
 picks each token itself from the step's logits (greedy or sampled, per request), which is what lets requests with
-different sampling settings share a step."""
+different sampling settings share a step.
+
+Prompts are batched under a token budget (`step_tokens` per engine call, as vLLM's max_num_batched_tokens and
+llama-server's n_batch): each step carries one token per running request, then the next slices of the prompts still
+joining, first come first fed, then newcomers while the budget, `max_batch` rows and the decoder's KV room
+(`kv_tokens`: every held request's prompt and token budget) allow. A request that does not fit waits in the queue;
+only a full queue refuses (QueueFull). Engines without slices (torch) run each newcomer's prompt whole."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import ServeConfig
 from tasks.engines import Runtime
 
 log = logging.getLogger("llmopt.serve")
@@ -102,6 +109,9 @@ def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
     return int(order[rng.choice(len(order), p=probs)])
 
 
+DEFAULT_STEP_TOKENS: int = ServeConfig.model_fields["step_tokens"].default  # tasks/config.py says why
+
+
 class QueueFull(Exception):
     """The model's queue holds `max_queue` requests already (the server answers 429)."""
 
@@ -162,9 +172,15 @@ class Scheduler:
         metrics: Any = None,
         prefill_chunk: int = 0,
         prefix_reuse: bool = True,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
+        if step_tokens < max_batch:
+            raise ValueError(f"step_tokens ({step_tokens}) must be at least max_batch ({max_batch})")
         self.runtime, self.max_batch, self.max_queue = runtime, max_batch, max_queue
-        self.prefill_chunk = prefill_chunk  # 0: prompts run whole (see serve.prefill_chunk)
+        self.prefill_chunk = prefill_chunk  # the most tokens of one prompt per step; 0: the budget alone
+        self.step_tokens = (
+            step_tokens  # tokens per engine call: running requests' and prompt slices (see above)
+        )
         self.prefix_reuse = prefix_reuse  # for decoders that can (see serve.prefix_reuse)
         self.metrics = metrics  # serving.metrics.ServerMetrics, or None (tests of the scheduler alone)
         self.steps = 0  # engine calls so far (prompts run alone + batched steps)
@@ -239,12 +255,11 @@ class Scheduler:
                     self._wake.wait()
                 if self._closed and not self._queue and not running and not filling:
                     return
-                room = self.max_batch - len(running) - len(filling)
-                joining = [self._queue.popleft() for _ in range(min(len(self._queue), room))]
+                joining = self._admissible(decoder, running, filling)
                 self._wake.notify_all()  # the queue changed (see `wait_for`)
             calls = decoder.steps
             for request in joining:
-                if self._chunked(decoder, request):
+                if self._fills(decoder, request):
                     self._open(decoder, filling, request)
                 else:
                     self._admit(decoder, running, request)
@@ -265,16 +280,37 @@ class Scheduler:
             if not running and not filling and decoder.active:  # a failed step may have left sequences behind
                 decoder = self._decoder()
 
-    def _chunked(self, decoder: Any, request: GenerationRequest) -> bool:
-        """Whether `request`'s prompt joins in slices: chunking on, an engine that runs slices between steps, a
-        prompt longer than one slice, and a request that generates (scoring requests run their prompt whole)."""
-        return (
-            bool(self.prefill_chunk)
-            and decoder.chunked_prefill
-            and len(request.prompt) > self.prefill_chunk
-            and request.max_tokens > 0
-            and not request.prompt_logprobs
-        )
+    def _admissible(
+        self, decoder: Any, running: dict[int, _Running], filling: list[_Filling]
+    ) -> list[GenerationRequest]:
+        """Take from the queue, in order, the requests this step has room for: a free row (`max_batch`), KV room
+        for the prompt and token budget of every request held, and prompt tokens left in the step's budget (on
+        decoders that take slices). The first that does not fit waits, and so does everyone behind it."""
+        rows = len(running) + len(filling)
+        held = sum(_kv_need(r.request) for r in running.values()) + sum(_kv_need(f.request) for f in filling)
+        budget = self.step_tokens - len(running) - sum(self._slice(f) for f in filling)
+        joining: list[GenerationRequest] = []
+        while self._queue and rows < self.max_batch:
+            request = self._queue[0]
+            fills = self._fills(decoder, request)
+            if decoder.kv_tokens is not None and rows and held + _kv_need(request) > decoder.kv_tokens:
+                break  # the cache is full until a running request ends
+            if fills and budget <= 0:
+                break  # this step's budget is spent: it joins in the next one
+            joining.append(self._queue.popleft())
+            rows, held = rows + 1, held + _kv_need(request)
+            budget -= min(len(request.prompt), self.prefill_chunk or len(request.prompt)) if fills else 0
+        return joining
+
+    def _slice(self, item: _Filling) -> int:
+        """The most tokens of `item`'s prompt one step feeds (the rest of it, at most `prefill_chunk`)."""
+        left = len(item.request.prompt) - item.fed
+        return min(left, self.prefill_chunk) if self.prefill_chunk else left
+
+    def _fills(self, decoder: Any, request: GenerationRequest) -> bool:
+        """Whether `request`'s prompt joins in slices under the step budget: an engine that takes slices beside
+        the running requests, and a request that generates (scoring requests run their prompt whole)."""
+        return decoder.chunked_prefill and request.max_tokens > 0 and not request.prompt_logprobs
 
     def _open(self, decoder: Any, filling: list[_Filling], request: GenerationRequest) -> None:
         if request.cancelled.is_set():
@@ -290,9 +326,10 @@ class Scheduler:
             self._end(request, ("error", f"generation failed: {_first_line(exc)}"))
 
     def _step_filling(self, decoder: Any, running: dict[int, _Running], filling: list[_Filling]) -> None:
-        """Every running sequence's next token and the next slice of the first joining prompt: one engine call
-        (llama.cpp) or two, one right after the other (ONNX; the time of both counts as decode while requests run).
-        Its last slice gives the joining request its first token; from then on it runs with the others."""
+        """Every running sequence's next token and the next slices of the joining prompts, first come first fed,
+        as many as the step's token budget holds: one engine call (llama.cpp) or one per slice right after the
+        step (ONNX; the time counts as decode while requests run). A prompt's last slice gives its request the
+        first token; from then on it runs with the others."""
         for item in [f for f in filling if f.request.cancelled.is_set()]:
             decoder.remove(item.sequence)
             filling.remove(item)
@@ -304,33 +341,48 @@ class Scheduler:
             if running:
                 self._step(decoder, running)
             return
-        head = filling[0]
-        prompt = head.request.prompt
-        chunk = prompt[head.fed : head.fed + self.prefill_chunk]
-        last = head.fed + len(chunk) == len(prompt)
+        budget, fills = self.step_tokens - len(running), []
+        for item in filling:
+            size = min(self._slice(item), budget)
+            if size <= 0:
+                break
+            prompt = item.request.prompt
+            fills.append((item, prompt[item.fed : item.fed + size], item.fed + size == len(prompt)))
+            budget -= size
         started = time.perf_counter()
-        stepped, logits = decoder.step_with_prefill(
-            {s: item.last for s, item in running.items()}, head.sequence, chunk, last
+        stepped, filled = decoder.step_with_prefills(
+            {s: item.last for s, item in running.items()},
+            [(f.sequence, chunk, last) for f, chunk, last in fills],
         )
         if self.metrics:
             self.metrics.engine_seconds("decode" if running else "prefill", time.perf_counter() - started)
             if running:
                 self.metrics.batch(len(running))
-        head.fed += len(chunk)
+        for item, chunk, _ in fills:
+            item.fed += len(chunk)
         for sequence, row in stepped.items():
             try:
                 self._emit(decoder, running, sequence, row)
             except Exception as exc:
                 log.exception("a request failed choosing its token")
                 self._drop(decoder, running, sequence, running[sequence].request, exc)
-        if last:
-            filling.pop(0)
-            running[head.sequence] = _Running(head.request, np.random.default_rng(head.request.sampling.seed))
-            try:
-                self._emit(decoder, running, head.sequence, logits)
+        for item, _, last in fills:
+            if not last:
+                continue
+            filling.remove(item)
+            try:  # its generator, then its first token: a failure of either ends this request only
+                rng = np.random.default_rng(item.request.sampling.seed)
             except Exception as exc:
                 log.exception("a request failed choosing its token")
-                self._drop(decoder, running, head.sequence, head.request, exc)
+                decoder.remove(item.sequence)
+                self._end(item.request, ("error", f"generation failed: {_first_line(exc)}"))
+                continue
+            running[item.sequence] = _Running(item.request, rng)
+            try:
+                self._emit(decoder, running, item.sequence, filled[item.sequence])
+            except Exception as exc:
+                log.exception("a request failed choosing its token")
+                self._drop(decoder, running, item.sequence, item.request, exc)
 
     def _admit(self, decoder: Any, running: dict[int, _Running], request: GenerationRequest) -> None:
         """Run a newcomer's prompt and pick its first token; a failure ends this request only."""
@@ -475,6 +527,11 @@ class Scheduler:
             request.on_event(event)
         except Exception:  # the receiver is gone (its event loop closed): nothing left to tell
             log.debug("a finished request's receiver is gone", exc_info=True)
+
+
+def _kv_need(request: GenerationRequest) -> int:
+    """The KV cells a request may fill: its prompt and its token budget."""
+    return len(request.prompt) + request.max_tokens
 
 
 def _first_line(exc: BaseException) -> str:

@@ -382,9 +382,12 @@ class ServeConfig(Strict):
     max_batch: Annotated[int, Field(ge=1, le=64)] = 8
     # Requests waiting per model beyond the batch; more get 429 with Retry-After instead of an unbounded wait.
     max_queue: Annotated[int, Field(ge=1, le=10_000)] = 64
-    # Chunked prefill: a prompt longer than this many tokens joins in slices of it, each beside the running requests'
-    # decode step (in its engine call: llama.cpp; in a call right after it: ONNX; torch runs prompts whole), so they
-    # keep streaming while it arrives. 0: every prompt is run whole before the next step.
+    # Tokens per engine call (llama.cpp, ONNX): one per running request, the rest for slices of joining prompts,
+    # several prompts per step, first come first fed (in the running requests' call: llama.cpp; in calls right
+    # after it: ONNX; torch runs prompts whole). Newcomers join while it has room; a longer prompt is sliced. Bounds
+    # what running streams wait per token while prompts arrive. At least max_batch.
+    step_tokens: Annotated[int, Field(ge=1, le=65_536)] = 256
+    # The most tokens of one prompt per step (within step_tokens); 0: step_tokens alone decides.
     prefill_chunk: Annotated[int, Field(ge=0, le=8192)] = 0
     # Prefix reuse (llama.cpp, ONNX): a prompt starting like a sequence in the cache takes its K/V for the shared part
     prefix_reuse: bool = True
@@ -392,6 +395,15 @@ class ServeConfig(Strict):
     # Clients must send `Authorization: Bearer <key>` when this environment variable is set (and not empty).
     api_key_env: str = "LLMOPT_API_KEY"
     max_body_kb: Annotated[int, Field(ge=1, le=102_400)] = 1024  # larger request bodies get 413
+
+    @model_validator(mode="after")
+    def _budget_holds_a_step(self) -> ServeConfig:
+        if self.step_tokens < self.max_batch:
+            raise ValueError(
+                f"step_tokens ({self.step_tokens}) must be at least max_batch ({self.max_batch}): every running "
+                "request takes one token of each step"
+            )
+        return self
 
 
 class SloConfig(Strict):

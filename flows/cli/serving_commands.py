@@ -178,7 +178,13 @@ def _same_mix(
     try:
         return {
             count: offline_same_mix(
-                loaded.runtime, batch, count, serve.max_batch, serve.prefill_chunk, serve.prefix_reuse
+                loaded.runtime,
+                batch,
+                count,
+                serve.max_batch,
+                serve.prefill_chunk,
+                serve.prefix_reuse,
+                serve.step_tokens,
             )
             for count in clients
         }

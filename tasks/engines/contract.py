@@ -29,9 +29,10 @@ Stepping (`batch_decoder`)
     Serving drives generation one token at a time through a `BatchDecoder`: sequences join (their prompt is run
     alone) and leave between steps, every step advances all of them together, and the caller picks each next
     token from the logits (greedy or sampled), so streaming, stop strings, cancellation and iteration-level
-    batching live outside the engine. Greedy stepping gives the ids `generate` gives, whichever sequences share
-    the steps. An engine that cannot batch sequences of different lengths exactly steps them one engine call
-    each (`steps` counts engine calls, so batching shows there). The one exception is the torch engine on a GPU,
+    batching live outside the engine. Decoders with `chunked_prefill` also take prompts in slices beside the
+    running sequences (`open` + `step_with_prefills`), several prompts per step. Greedy stepping gives the ids
+    `generate` gives, whichever sequences share the steps. An engine that cannot batch sequences of different
+    lengths exactly steps them one engine call each (`steps` counts engine calls, so batching shows there). The one exception is the torch engine on a GPU,
     where padded rows with their own attention masks are the norm: its steps are one call for all sequences and
     match stepping alone to float rounding (tests/model/test_cuda_target.py), not bit for bit.
 
@@ -151,9 +152,13 @@ class BatchDecoder(abc.ABC):
     between steps. Logits are float32 arrays over the vocabulary for each sequence's next token."""
 
     steps: int = 0  # engine calls so far (a prompt run alone counts one, a step of all sequences one)
-    # Whether prompts may join in slices between steps (`open` + `step_with_prefill`; see serve.prefill_chunk):
-    # fused into the running sequences' engine call (llama.cpp) or in a call of its own right after it (ONNX)
+    # Whether prompts join through `open` + `step_with_prefills`: several prompts' slices per step beside the
+    # running sequences' tokens, fused into their engine call (llama.cpp) or in calls right after it (ONNX); the
+    # server then batches prompts under a token budget (serve.step_tokens). False: prompts run whole with `add`
     chunked_prefill: bool = False
+    # The most tokens the cache holds over all sequences together (the server admits a request only while the
+    # prompts and budgets of those it holds fit); None: the cache grows as needed
+    kv_tokens: int | None = None
     # Whether a newcomer may take the cache of a prompt start another sequence holds (decoders that can; set by
     # the server from serve.prefix_reuse)
     reuse_prefixes: bool = True
@@ -171,18 +176,19 @@ class BatchDecoder(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} steps one token at a time")
 
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
-        """A new sequence to be filled by `step_with_prefill` (chunked decoders only): (its id, how many of
+        """A new sequence to be filled by `step_with_prefills` (chunked decoders only): (its id, how many of
         `prompt`'s first tokens it holds already, reused from another sequence's cache; 0 without reuse)."""
         raise NotImplementedError(f"{type(self).__name__} runs prompts whole")
 
-    def step_with_prefill(
-        self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
-    ) -> tuple[dict[int, Any], Any]:
-        """`step(tokens)` for the running sequences and the next `chunk` of an opened sequence's prompt, in one
-        engine call or one right after the other (`chunked_prefill`); (the running sequences' logits, the logits
-        after the chunk's last token). After its `last` chunk the sequence runs with the others (`step` then needs
-        its token too). Not atomic where it is two calls: if the slice fails, the step has happened (the scheduler
-        then ends every request the decoder holds and starts a fresh one)."""
+    def step_with_prefills(
+        self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
+    ) -> tuple[dict[int, Any], dict[int, Any]]:
+        """`step(tokens)` for the running sequences and, per (opened sequence, chunk, last) of `fills`, the next
+        chunk of its prompt, in one engine call or calls one right after the other (`chunked_prefill`); (the
+        running sequences' logits, per filled sequence the logits after its chunk's last token). After its `last`
+        chunk a sequence runs with the others (`step` then needs its token too). Not atomic where it is several
+        calls: if a slice fails, the step has happened (the scheduler then ends every request the decoder holds
+        and starts a fresh one)."""
         raise NotImplementedError(f"{type(self).__name__} runs prompts whole")
 
     @abc.abstractmethod

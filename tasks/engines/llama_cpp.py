@@ -243,11 +243,12 @@ class LlamaCppBatchDecoder(BatchDecoder):
     history) is given that sequence's cells for the shared positions and runs only the rest of its prompt; the
     same tokens at the same positions have the same keys and values, so the answer does not change."""
 
-    chunked_prefill = True  # a prompt's slice and the running sequences' tokens go into one llama_decode
+    chunked_prefill = True  # prompts' slices and the running sequences' tokens go into one llama_decode
     verifies = True  # several positions of one sequence in one llama_decode, cells removed on rewind
 
     def __init__(self, context: _Context, runtime: LlamaCppRuntime) -> None:
         self._context, self._runtime = context, runtime  # the runtime owns the model the context uses
+        self.kv_tokens = context.cells
         self._context.clear()
         self._slots: dict[int, int] = {}  # sequence id → llama.cpp seq_id
         self._lengths: dict[int, int] = {}
@@ -294,42 +295,39 @@ class LlamaCppBatchDecoder(BatchDecoder):
         return sequence, logits[-1]
 
     def step(self, tokens: dict[int, int]) -> dict[int, Any]:
-        stepped, _ = self._fused(tokens, None, [])
+        stepped, _ = self.step_with_prefills(tokens, [])
         return stepped
 
-    def step_with_prefill(
-        self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
-    ) -> tuple[dict[int, Any], Any]:
-        if sequence not in self._filling or not chunk:
-            raise ValueError(f"sequence {sequence} is not an opened one still filling, or the chunk is empty")
-        stepped, logits = self._fused(tokens, sequence, chunk)
-        if last:  # its prompt is complete: it steps with the others from the next call on
-            self._filling.discard(sequence)
-        return stepped, logits
-
-    def _fused(
-        self, tokens: dict[int, int], filling: int | None, chunk: list[int]
-    ) -> tuple[dict[int, Any], Any]:
+    def step_with_prefills(
+        self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
+    ) -> tuple[dict[int, Any], dict[int, Any]]:
+        """The running sequences' tokens and every fill's chunk in one `llama_decode`, as llama-server batches."""
         running = set(self._slots) - self._filling
         if set(tokens) != running:
             raise ValueError(
                 f"step needs a token for every running sequence {sorted(running)}, got {sorted(tokens)}"
             )
+        for sequence, chunk, _ in fills:
+            if sequence not in self._filling or not chunk:
+                raise ValueError(
+                    f"sequence {sequence} is not an opened one still filling, or its chunk is empty"
+                )
         self.steps += 1
         order = sorted(running)
         work = [(self._slots[s], [tokens[s]], self._lengths[s], False) for s in order]
-        if filling is not None:
-            work.append((self._slots[filling], chunk, self._lengths[filling], False))
+        work += [(self._slots[s], chunk, self._lengths[s], False) for s, chunk, _ in fills]
         logits = self._context.decode(work)
         for sequence in order:
             self._lengths[sequence] += 1
             self._tokens[sequence].append(tokens[sequence])
-        last = None
-        if filling is not None:
-            self._lengths[filling] += len(chunk)
-            self._tokens[filling].extend(chunk)
-            last = logits[-1][-1]
-        return {sequence: rows[-1] for sequence, rows in zip(order, logits, strict=False)}, last
+        for sequence, chunk, last in fills:
+            self._lengths[sequence] += len(chunk)
+            self._tokens[sequence].extend(chunk)
+            if last:  # its prompt is complete: it steps with the others from the next call on
+                self._filling.discard(sequence)
+        stepped = {sequence: rows[-1] for sequence, rows in zip(order, logits, strict=False)}
+        filled = {s: rows[-1] for (s, _, _), rows in zip(fills, logits[len(order) :], strict=True)}
+        return stepped, filled
 
     def verify(self, sequence: int, tokens: list[int]) -> Any:
         if set(self._slots) - self._filling != {sequence}:

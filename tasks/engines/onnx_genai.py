@@ -117,11 +117,11 @@ class OrtBatchDecoder(BatchDecoder):
 
     Prefix reuse: a newcomer whose prompt starts like a running sequence's tokens gets a copy of that row's keys
     and values for the shared positions and runs only the rest of its prompt (the same tokens at the same
-    positions). Chunked prefill: the graph takes one new-token count per call, so a joining prompt's slice cannot
-    share the running rows' call as in llama.cpp; it gets its own call right after theirs, which bounds what a
-    running stream waits per token just the same."""
+    positions). Prompts join in slices (`step_with_prefills`): the graph takes one new-token count per call, so a
+    joining prompt's slice cannot share the running rows' call as in llama.cpp; each slice gets its own call right
+    after theirs, which bounds what a running stream waits per token just the same."""
 
-    chunked_prefill = True  # a prompt's slice runs in its own call between steps (see above)
+    chunked_prefill = True  # each prompt slice runs in its own call right after a step (see above)
 
     def __init__(self, model_path: Path, kv_shape: tuple[int, int], threads: int) -> None:
         import onnxruntime as ort
@@ -149,7 +149,7 @@ class OrtBatchDecoder(BatchDecoder):
         return len(self._ids) + len(self._partial)
 
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
-        """A new sequence fed by `step_with_prefill`; with `prompt`, holding already the longest start of it a
+        """A new sequence fed by `step_with_prefills`; with `prompt`, holding already the longest start of it a
         running row holds (at most all but its last token). (its id, how many of the prompt's tokens it holds)."""
         tokens, cache = self._shared_start(prompt or [])
         self._next_id += 1
@@ -166,16 +166,21 @@ class OrtBatchDecoder(BatchDecoder):
         self._join(sequence)
         return sequence, logits
 
-    def step_with_prefill(
-        self, tokens: dict[int, int], sequence: int, chunk: list[int], last: bool
-    ) -> tuple[dict[int, Any], Any]:
-        if sequence not in self._partial or not chunk:
-            raise ValueError(f"sequence {sequence} is not an opened one still filling, or the chunk is empty")
+    def step_with_prefills(
+        self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
+    ) -> tuple[dict[int, Any], dict[int, Any]]:
+        for sequence, chunk, _ in fills:
+            if sequence not in self._partial or not chunk:
+                raise ValueError(
+                    f"sequence {sequence} is not an opened one still filling, or its chunk is empty"
+                )
         stepped = self.step(tokens) if self._ids else {}
-        logits = self._extend(sequence, chunk)
-        if last:  # its prompt is complete: it steps with the others from the next call on
-            self._join(sequence)
-        return stepped, logits
+        filled = {}
+        for sequence, chunk, last in fills:  # the graph takes one new-token count per call: a call per slice
+            filled[sequence] = self._extend(sequence, chunk)
+            if last:  # its prompt is complete: it steps with the others from the next call on
+                self._join(sequence)
+        return stepped, filled
 
     def _shared_start(self, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
         """The longest start of `prompt` (all but its last token at most) a row holds, with a copy of its K/V."""

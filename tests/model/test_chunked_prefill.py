@@ -112,7 +112,11 @@ def test_a_long_prompt_arrives_in_slices_beside_the_running_stream_and_answers_d
         assert sorted(beside)[0] == (0, 1) and len(beside) == 2 and max(size for _, size in beside) <= 8
 
     _, _, whole, _ = serve_two(llama, 0, llama.encode(RUNNING), prompt)
-    assert [(1, len(prompt))] in whole  # unchunked, the stream waits while the whole prompt runs alone
+    joined = next(
+        i for i, call in enumerate(whole) if (1, len(prompt)) in call
+    )  # within the step budget: whole
+    beside = whole[joined] if fused(llama) else whole[joined - 1] + whole[joined]
+    assert sorted(beside) == [(0, 1), (1, len(prompt))]  # ... and still beside the running stream's token
 
 
 @pytest.mark.parametrize("prefill_chunk", [0, 8])
@@ -164,3 +168,119 @@ def test_the_offline_same_mix_ceiling_runs_every_request_through_the_scheduler(l
     requests = [LoadRequest(RUNNING, 6), LoadRequest(ARRIVING, 4), LoadRequest("A bridge", 5)]
     assert offline_same_mix(llama, requests, clients=8, max_batch=2, prefill_chunk=8) > 0
     assert offline_same_mix(llama, requests, clients=1, max_batch=2) > 0
+
+
+def rows_and_fills(decoder, steps: list[tuple[int, list[int]]]) -> None:
+    """Log each scheduling step of `decoder` as (running rows, [size of each prompt slice])."""
+    step, fused_step = decoder.step, decoder.step_with_prefills
+    inside = []  # llama.cpp's step is its step_with_prefills without fills: one step, logged once
+
+    def logged(run, tokens, fills):
+        if not inside:
+            steps.append((len(tokens), [len(chunk) for _, chunk, _ in fills]))
+        inside.append(True)
+        try:
+            return run()
+        finally:
+            inside.pop()
+
+    def logged_step(tokens):
+        return logged(lambda: step(tokens), tokens, [])
+
+    def logged_fused(tokens, fills):
+        return logged(lambda: fused_step(tokens, fills), tokens, fills)
+
+    decoder.step, decoder.step_with_prefills = logged_step, logged_fused
+
+
+def serve_gated(runtime, requests: list[tuple[list[int], int]], kv_tokens=None, cancel_first_at=0, **limits):
+    """Serve `requests` (prompt, max_tokens) through a scheduler whose first prompt step waits until all of them
+    are queued, the first cancelled after `cancel_first_at` tokens if set; (their tokens, each step as (running
+    rows, prompt slice sizes), each engine call)."""
+    from tests.model.test_serving_limits import GatedRuntime
+
+    steps, calls = [], []
+    gated = GatedRuntime(_Recorded(runtime, steps, calls, kv_tokens))
+    scheduler = Scheduler(gated, max_queue=8, **limits)
+    answers: list[list[int]] = [[] for _ in requests]
+    finished = threading.Semaphore(0)
+
+    def collect(index):
+        def on_event(event):
+            if event[0] == "token":
+                answers[index].append(event[1][0])
+                if index == 0 and len(answers[0]) == cancel_first_at:
+                    first.cancel()
+            else:
+                assert event[0] == "done", event
+                finished.release()
+
+        return on_event
+
+    first = GenerationRequest(requests[0][0], requests[0][1], Sampling(), collect(0))
+    scheduler.submit(first)
+    assert scheduler.wait_for(lambda s: s.queued == 0, 30)  # the first is taken, its prompt step held
+    for index, (prompt, budget) in enumerate(requests[1:], start=1):
+        scheduler.submit(GenerationRequest(prompt, budget, Sampling(), collect(index)))
+    gated.gate.set()
+    assert all(finished.acquire(timeout=60) for _ in requests)
+    scheduler.close()
+    assert gated.decoders[-1].active == 0 and scheduler.in_flight == 0
+    return answers, steps, calls
+
+
+class _Recorded:
+    """`runtime`, its decoders logged by `rows_and_fills` and `record`, with `kv_tokens` of KV room if given."""
+
+    def __init__(self, runtime, steps: list, calls: list, kv_tokens: int | None) -> None:
+        self._runtime, self._steps, self._calls, self._kv_tokens = runtime, steps, calls, kv_tokens
+
+    def __getattr__(self, name: str):
+        return getattr(self._runtime, name)
+
+    def batch_decoder(self):
+        decoder = self._runtime.batch_decoder()
+        record(decoder, self._calls)
+        rows_and_fills(decoder, self._steps)
+        if self._kv_tokens is not None:
+            decoder.kv_tokens = self._kv_tokens
+        return decoder
+
+
+def test_prompts_waiting_together_join_in_one_step_under_the_token_budget_and_answer_as_alone(llama):
+    """Newcomers join the same step while the budget lasts (one llama_decode for all in llama.cpp); a prompt
+    longer than what is left is sliced; no step carries more than `step_tokens` tokens."""
+    first, short, medium = (
+        llama.encode(text) for text in (RUNNING, "A bridge", "Winter letters reach the hall.")
+    )
+    long = llama.encode(ARRIVING)
+    budget = 40
+    assert len(long) > budget and 1 + len(short) + len(medium) < budget  # beside the first one's token
+    requests = [(first, 30), (short, 6), (medium, 6), (long, 6)]
+    answers, steps, calls = serve_gated(llama, requests, max_batch=4, step_tokens=budget)
+    assert answers == [llama.generate([prompt], n, stop_at_eos=False)[0] for prompt, n in requests]
+    assert all(rows + sum(fills) <= budget for rows, fills in steps), steps
+    together = next(fills for _, fills in steps if len(fills) == 3)  # short, medium and the long one's start
+    assert together[:2] == [len(short), len(medium)] and 0 < together[2] < len(long)
+    assert sum(size for _, fills in steps for size in fills) == sum(len(p) for p, _ in requests)
+    if fused(llama):  # a step is one engine call, whatever it carries
+        assert len(calls) == len(steps)
+
+
+def test_a_full_kv_cache_makes_requests_wait_and_a_cancelled_one_frees_its_room(llama):
+    """With KV room for two requests, four never run more than two at once: the others wait in the queue (no
+    engine error, no refusal: only a full queue refuses). A cancelled request's cells go to the next in line."""
+    texts = (RUNNING, "A bridge over the river", "Winter letters", "The train")
+    prompts = [llama.encode(text) for text in texts]
+    requests = [(prompt, 40 - len(prompt)) for prompt in prompts]  # each needs 40 cells
+    answers, steps, _ = serve_gated(llama, requests, kv_tokens=90, max_batch=4, step_tokens=64)
+    assert answers == [llama.generate([prompt], n, stop_at_eos=False)[0] for prompt, n in requests]
+    assert max(rows + len(fills) for rows, fills in steps) == 2, steps
+
+    requests = [
+        (prompts[0], 400),
+        (prompts[1], 8),
+    ]  # room for one: the second runs once the first is cancelled
+    answers, steps, _ = serve_gated(llama, requests, kv_tokens=430, cancel_first_at=3, max_batch=4)
+    assert len(answers[0]) == 3 and answers[1] == llama.generate([prompts[1]], 8, stop_at_eos=False)[0]
+    assert max(rows + len(fills) for rows, fills in steps) == 1, steps

@@ -42,15 +42,17 @@ class GatedRuntime:
 
     def batch_decoder(self):
         decoder = self.runtime.batch_decoder()
-        add = decoder.add
-
-        def gated_add(prompt):
-            assert self.gate.wait(60), "test gate never opened"
-            return add(prompt)
-
-        decoder.add = gated_add
+        for name in ("add", "step_with_prefills"):  # the calls that run prompts (whole, or in slices)
+            setattr(decoder, name, self._gated(getattr(decoder, name)))
         self.decoders.append(decoder)
         return decoder
+
+    def _gated(self, run):
+        def gated(*args):
+            assert self.gate.wait(60), "test gate never opened"
+            return run(*args)
+
+        return gated
 
 
 def complete(url: str, key: str | None = KEY, **body) -> httpx.Response:
