@@ -113,7 +113,9 @@ class OrtBatchDecoder(BatchDecoder):
     writes in place (past and present bound to the same memory, as ONNX Runtime GenAI does): a step copies no
     cache. The attention mask gives every row its own length, and the graph's GroupQueryAttention derives each
     row's positions and where its new key goes from that mask, so a row computes exactly what it computes alone.
-    Rows are rebuilt only when a sequence joins or leaves, or the buffer must grow.
+    A joining sequence's cache is written into the next free row and a leaving one's row is taken by the last row,
+    so the rows in use stay the buffer's first ones and the others are not copied; the buffer is reallocated only
+    when it must grow (twice the rows, or more positions). Until then it keeps its size after requests end.
 
     Prefix reuse: a newcomer whose prompt starts like a running sequence's tokens gets a copy of that row's keys
     and values for the shared positions and runs only the rest of its prompt (the same tokens at the same
@@ -137,7 +139,8 @@ class OrtBatchDecoder(BatchDecoder):
         self._kv_shape = kv_shape
         self._ids: list[int] = []  # sequence id of each row, in row order
         self._lengths = np.zeros(0, dtype=np.int64)  # tokens in each row's cache
-        self._cache: list[np.ndarray] = []  # per cache input: [rows, kv_heads, capacity, head_size]
+        self._store: list[np.ndarray] = []  # per cache input: [slots, kv_heads, capacity, head_size]
+        self._cache: list[np.ndarray] = []  # per cache input: the rows in use, views of `_store`
         self._binding: Any = None
         self._next_id = 0
         self._tokens: list[list[int]] = []  # what each row's cache holds, position by position
@@ -209,21 +212,33 @@ class OrtBatchDecoder(BatchDecoder):
         return logits[0, -1].astype(np.float32)
 
     def _join(self, sequence: int) -> None:
-        """The opened `sequence`, its prompt complete, becomes a row of the stepped buffer."""
+        """The opened `sequence`, its prompt complete, becomes the next row of the stepped buffer (rows already
+        there are not copied, unless the buffer must grow)."""
         tokens, present = self._partial.pop(sequence)
-        capacity = max(self._capacity, _room_for(len(tokens)))
-        rows = [
-            np.zeros((len(self._ids) + 1, *self._kv_shape[:1], capacity, self._kv_shape[1]), self._kv_dtype)
-            for _ in present
-        ]
-        for new, old, kv in zip(rows, self._cache or [None] * len(rows), present, strict=True):
-            if old is not None:
-                new[:-1, :, : old.shape[2]] = old
-            new[-1, :, : len(tokens)] = kv[0]
+        row = len(self._ids)
+        self._reserve(row + 1, max(self._capacity, _room_for(len(tokens))))
+        for store, kv in zip(self._store, present, strict=True):
+            store[row, :, : len(tokens)] = kv[0]
         self._ids.append(sequence)
         self._tokens.append(tokens)
         self._lengths = np.append(self._lengths, len(tokens))
-        self._bind(rows)
+        self._bind()
+
+    def _reserve(self, rows: int, capacity: int) -> None:
+        """Room for `rows` rows of `capacity` positions: a larger buffer (twice the rows) with the rows in use
+        copied in, where the one there is too small."""
+        if self._store and rows <= self._store[0].shape[0] and capacity <= self._capacity:
+            return
+        slots = max(rows, 2 * self._store[0].shape[0] if self._store else 4)
+        used = len(self._ids)
+        grown = []
+        for index in range(len(self._past)):
+            buffer = np.zeros((slots, self._kv_shape[0], capacity, self._kv_shape[1]), self._kv_dtype)
+            if self._store:
+                old = self._store[index]
+                buffer[:used, :, : old.shape[2]] = old[:used]
+            grown.append(buffer)
+        self._store = grown
 
     def step(self, tokens: dict[int, int]) -> dict[int, Any]:
         if set(tokens) != set(self._ids):
@@ -231,7 +246,8 @@ class OrtBatchDecoder(BatchDecoder):
                 f"step needs a token for every active sequence {self._ids}, got {sorted(tokens)}"
             )
         if int(self._lengths.max()) + 1 > self._capacity:
-            self._bind([_widen(kv, _room_for(self._capacity + 1)) for kv in self._cache])
+            self._reserve(len(self._ids), _room_for(self._capacity + 1))
+            self._bind()
         self.steps += 1
         width = int(self._lengths.max()) + 1
         mask = (np.arange(width)[None, :] <= self._lengths[:, None]).astype(np.int64)
@@ -247,25 +263,35 @@ class OrtBatchDecoder(BatchDecoder):
         return dict(zip(self._ids, logits, strict=True))
 
     def remove(self, sequence: int) -> None:
+        """Forget `sequence`: the last row moves into its place (one row's cache copied), so the rows in use stay
+        the buffer's first ones and the graph runs no empty row."""
         if self._partial.pop(sequence, None) is not None:
             return
-        row = self._ids.index(sequence)
-        del self._ids[row], self._tokens[row]
-        self._lengths = np.delete(self._lengths, row)
-        self._bind([np.delete(kv, row, axis=0) for kv in self._cache] if self._ids else [])
+        row, last = self._ids.index(sequence), len(self._ids) - 1
+        if row != last:
+            held = int(self._lengths[last])
+            for store in self._store:
+                store[row, :, :held] = store[last, :, :held]
+            self._ids[row], self._tokens[row] = self._ids[last], self._tokens[last]
+            self._lengths[row] = held
+        del self._ids[last], self._tokens[last]
+        self._lengths = self._lengths[:last]
+        self._bind()
 
     @property
     def _capacity(self) -> int:
-        return self._cache[0].shape[2] if self._cache else 0
+        return self._store[0].shape[2] if self._store else 0
 
-    def _bind(self, cache: list[np.ndarray]) -> None:
-        """Make `cache` the buffers the graph reads its past from and writes its present into."""
-        self._cache, self._binding = cache, None
-        if not cache:
+    def _bind(self) -> None:
+        """Make the rows in use of the buffers what the graph reads its past from and writes its present into."""
+        rows = len(self._ids)
+        self._cache = [store[:rows] for store in self._store] if rows else []  # views: no copy
+        self._binding = None
+        if not rows:
             return
         binding = self._session.io_binding()
         binding.bind_output("logits")
-        for past, present, buffer in zip(self._past, self._present, cache, strict=True):
+        for past, present, buffer in zip(self._past, self._present, self._cache, strict=True):
             value = self._ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the numpy buffer's memory
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
@@ -275,10 +301,3 @@ class OrtBatchDecoder(BatchDecoder):
 def _room_for(tokens: int) -> int:
     """Buffer positions for a cache of `tokens`: the next power of two with room to grow (at least 256)."""
     return max(256, 1 << int(tokens + 64).bit_length())
-
-
-def _widen(kv: np.ndarray, capacity: int) -> np.ndarray:
-    """A [rows, heads, length, head_size] buffer with `capacity` positions, the old ones copied in."""
-    wider = np.zeros((*kv.shape[:2], capacity, kv.shape[3]), kv.dtype)
-    wider[:, :, : kv.shape[2]] = kv
-    return wider
