@@ -85,3 +85,18 @@ def test_the_rate_mode_sends_every_request_and_reads_its_streamed_chunks():
         outcomes, _ = asyncio.run(run_rate("http://x", None, [LoadRequest("p", 4)] * 12, 500.0, None, seed=0))
     assert len(outcomes) == 12 and all(o.status == 200 and o.tokens == 2 for o in outcomes)
     assert all(len(o.token_times) == 2 and o.token_times[0] <= o.token_times[1] for o in outcomes)
+
+
+def test_a_served_rate_above_the_offline_replay_is_called_suspect_not_a_share():
+    from flows.cli.render import print_load_test
+    from flows.cli.session import console
+    from serving.loadtest import LevelResult
+
+    def level(clients: int, tok_s: float) -> LevelResult:
+        return LevelResult(clients, 48, 0, 10.0, 4.8, tok_s, 300, 900, 2000, 4000, tok_s, 0.1)
+
+    with console.capture() as captured:
+        print_load_test([level(1, 80), level(16, 240)], None, same_mix={1: 81.0, 16: 183.0})
+    lines = " ".join(captured.get().split())  # the console wraps at its width
+    assert "80 tok/s, 99% of it" in lines  # below the replay: a share
+    assert "240 tok/s, above it (131%): no ceiling" in lines and "131% of it" not in lines
