@@ -11,7 +11,7 @@ LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast docs gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro serve loadtest ui schedule services-down clean
+.PHONY: help run test test-fast docs gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro llama-server serve loadtest ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -80,6 +80,9 @@ bench: install corpus ## benchmark every variant side by side, 2 trials with the
 
 repro: install corpus ## dvc repro only (no push)
 	dvc repro
+
+llama-server: install ## build llama.cpp's own server once per CPU (a peer for llmopt loadtest --peer); prints its path
+	infra/llama-server.sh $(LLAMA_CPP)
 
 serve: install ## serve the production model (models:/<name>@production)
 	llmopt serve

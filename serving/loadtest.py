@@ -82,19 +82,23 @@ class LevelResult:
 
 
 def request_set(passages: list[str], cfg: LoadtestConfig, server_cap: int) -> list[LoadRequest]:
-    """The same requests for every level and every run with this seed: a passage's first N words (N drawn from
-    `prompt_words`) and a budget drawn from `max_tokens` (capped at the server's `serve.max_new_tokens`)."""
+    """The same requests for every level and every run with this seed: N words of a passage (N drawn from
+    `prompt_words`; its first ones, or from a random word on with `prompt_start: anywhere`) and a budget drawn
+    from `max_tokens` (capped at the server's `serve.max_new_tokens`)."""
     rng = np.random.default_rng(cfg.seed)
     requests = []
     for _ in range(cfg.requests_per_level):
         words = passages[int(rng.integers(len(passages)))].split()
         count = int(rng.integers(cfg.prompt_words[0], cfg.prompt_words[1] + 1))
         budget = int(rng.integers(cfg.max_tokens[0], cfg.max_tokens[1] + 1))
-        requests.append(LoadRequest(" ".join(words[:count]), min(budget, server_cap)))
+        start = int(rng.integers(max(len(words) - count, 0) + 1)) if cfg.prompt_start == "anywhere" else 0
+        requests.append(LoadRequest(" ".join(words[start : start + count]), min(budget, server_cap)))
     return requests
 
 
-async def _one(client: httpx.AsyncClient, model: str | None, request: LoadRequest) -> Outcome:
+async def _one(
+    client: httpx.AsyncClient, model: str | None, request: LoadRequest, ignore_eos: bool = False
+) -> Outcome:
     body = {
         "model": model,
         "prompt": request.prompt,
@@ -103,6 +107,10 @@ async def _one(client: httpx.AsyncClient, model: str | None, request: LoadReques
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if (
+        ignore_eos
+    ):  # every answer runs to max_tokens: every server does the same work (vLLM's and llama.cpp's field)
+        body["ignore_eos"] = True
     started, first, tokens, times = time.perf_counter(), float("nan"), 0, []
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -128,18 +136,25 @@ async def _one(client: httpx.AsyncClient, model: str | None, request: LoadReques
 
 
 async def run_level(
-    url: str, model: str | None, requests: list[LoadRequest], concurrency: int, api_key: str | None
+    url: str,
+    model: str | None,
+    requests: list[LoadRequest],
+    concurrency: int,
+    api_key: str | None,
+    ignore_eos: bool = False,
+    keep_alive: bool = True,
 ) -> tuple[list[Outcome], float]:
-    """Send `requests` with at most `concurrency` in flight (each client sends its next as soon as one ends)."""
+    """Send `requests` with at most `concurrency` in flight (each client sends its next as soon as one ends).
+    `keep_alive` off: a connection per request (llama-server closes reused ones after a few requests)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     pending = list(reversed(requests))
     outcomes: list[Outcome] = []
-    limits = httpx.Limits(max_connections=concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=None if keep_alive else 0)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
 
         async def worker() -> None:
             while pending:
-                outcomes.append(await _one(client, model, pending.pop()))
+                outcomes.append(await _one(client, model, pending.pop(), ignore_eos))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

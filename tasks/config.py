@@ -436,6 +436,9 @@ class LoadtestConfig(Strict):
     requests_per_level: Annotated[int, Field(ge=1, le=100_000)] = 48
     seed: int = 0
     prompt_words: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [8, 160]
+    # Where a prompt starts in its passage: "first" (its first words: prompts from one passage share a start, as
+    # chats sharing a system prompt do) or "anywhere" (a random word: no shared prefixes)
+    prompt_start: Literal["first", "anywhere"] = "first"
     max_tokens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [16, 64]
 
     @model_validator(mode="after")

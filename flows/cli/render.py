@@ -187,3 +187,42 @@ def _wide_console() -> Console:
     out = Console()
     out.width = max(out.width, 200)  # piped output (CI logs, DVC) defaults to 80 columns, too narrow here
     return out
+
+
+def print_peer_comparison(table: list, repeats: int) -> None:
+    """The peer table (serving/peers.py): per level, llmopt first, each server's medians and its ratios to llmopt."""
+    spread = repeats > 1
+    view = Table(
+        title=f"Served against peers (medians of {repeats} repeat{'s' if spread else ''}; ratios to llmopt)"
+    )
+    for column in (
+        "load",
+        "server",
+        "tok/s",
+        "TTFT p50",
+        "TTFT p95",
+        "tok/s ÷ llmopt",
+        "TTFT p95 ÷ llmopt",
+        "errors",
+    ):
+        view.add_column(column, justify="left" if column in ("load", "server") else "right")
+
+    def ratio(values: tuple[float, float, float]) -> str:
+        return f"{values[0]:.2f} ({values[1]:.2f}–{values[2]:.2f})" if spread else f"{values[0]:.2f}"
+
+    for row in table:
+        view.add_row(
+            f"{row.concurrency} client{'s' if row.concurrency != 1 else ''}",
+            row.label,
+            f"{row.tok_s:.0f}",
+            f"{row.ttft_p50_ms:.0f}",
+            f"{row.ttft_p95_ms:.0f}",
+            ratio(row.tok_s_ratio),
+            ratio(row.ttft_p95_ratio),
+            str(row.errors),
+        )
+    console.print(view)
+    console.print(
+        "ratios per repeat against llmopt's figure of the same repeat (median, lowest–highest): above 1 in tok/s "
+        "and below 1 in TTFT p95, the peer does better"
+    )

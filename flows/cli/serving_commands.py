@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from flows.cli.app import DebugOption, ParamsOption, app
-from flows.cli.render import print_load_test
+from flows.cli.render import print_load_test, print_peer_comparison
 from flows.cli.session import CommandSession, console
 from tasks.errors import ConfigError
 
@@ -63,6 +63,20 @@ def loadtest(
             help="Comma-separated request rates in req/s, Poisson arrivals, e.g. 0.5,1,2 (default: loadtest.rates)."
         ),
     ] = None,
+    peer: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Another OpenAI-compatible server to drive with the same requests, as URL[=LABEL] (repeatable): "
+            "one table, llmopt first, with each server's ratio to it (llama-server, vLLM: docs/serving.md)."
+        ),
+    ] = None,
+    repeats: Annotated[
+        int,
+        typer.Option(min=1, help="With --peer: rounds, the servers interleaved; ratios with their spread."),
+    ] = 1,
+    ignore_eos: Annotated[
+        bool, typer.Option(help="Every answer runs to its max_tokens (the same work on every server).")
+    ] = False,
     debug: DebugOption = False,
 ) -> None:
     """Drive a running `llmopt serve` at each concurrency level (closed loop) and request rate (open loop, Poisson
@@ -98,6 +112,13 @@ def loadtest(
                 f"{data}: no prepared evaluation split to draw prompts from; run `llmopt run` first"
             )
         batch = request_set(read_split(data, "evaluation"), cfg, config.serve.max_new_tokens)
+        if peer:
+            passages = read_split(data, "evaluation")
+            from serving.peers import Server
+
+            servers = [Server("llmopt", base, entry["id"], api_key), *_peers(peer)]
+            _compare_peers(config, root, cfg, entry, servers, passages, levels, repeats, ignore_eos)
+            return
         console.print(
             f"load test: {entry['served_id']} ({entry['variant']}) at {base}, levels {levels}, {len(batch)} requests each"
         )
@@ -141,6 +162,57 @@ def loadtest(
         )
         print_load_test(results, ceiling, cfg.slo, best, same_mix)
         console.print(f"logged to MLflow run {run_id} (tag llmopt.loadtest_run on {registered} v{version})")
+
+
+def _peers(texts: list[str]) -> list:
+    from serving.peers import Server, first_model, parse_peer
+
+    servers = []
+    for text in texts:
+        try:
+            url, label = parse_peer(text)
+            servers.append(Server(label, url, first_model(url)))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return servers
+
+
+def _compare_peers(
+    config: Any,
+    root: Path,
+    cfg: Any,
+    entry: dict,
+    servers: list,
+    passages: list[str],
+    levels: list[int],
+    repeats: int,
+    ignore_eos: bool,
+) -> None:
+    """The same requests against llmopt and every peer (serving/peers.py); one table, logged to MLflow."""
+    from serving.loadtest import request_set
+    from serving.peers import compare, log_peer_comparison
+    from tasks.report.tracking import configure_tracking
+
+    def requests_for(repeat: int, level: int) -> list:
+        seeded = cfg.model_copy(update={"seed": cfg.seed + 1 + 1009 * repeat + level})
+        return request_set(passages, seeded, config.serve.max_new_tokens)
+
+    def progress(repeat: int, label: str, result: Any) -> None:
+        console.print(
+            f"  repeat {repeat + 1}/{repeats}, {result.concurrency} clients, {label}: {result.tok_s:.0f} tok/s, "
+            f"TTFT p50/p95 {result.ttft_p50_ms:.0f}/{result.ttft_p95_ms:.0f} ms, {result.errors} errors"
+        )
+
+    names = ", ".join(f"{s.label} ({s.url})" for s in servers)
+    console.print(
+        f"load test against peers: {names}; levels {levels}, {cfg.requests_per_level} requests each"
+    )
+    table = compare(servers, requests_for, levels, repeats, ignore_eos, progress)
+    configure_tracking(config.tracking, root)
+    settings = {"levels": levels, "repeats": repeats, "ignore_eos": ignore_eos, **cfg.model_dump()}
+    run_id = log_peer_comparison(config.tracking.experiment, entry, servers, table, settings)
+    print_peer_comparison(table, repeats)
+    console.print(f"logged to MLflow run {run_id}")
 
 
 def _levels(text: str) -> list[int]:
