@@ -194,7 +194,7 @@ def _compare_peers(
     from tasks.report.tracking import configure_tracking
 
     def requests_for(repeat: int, level: int) -> list:
-        seeded = cfg.model_copy(update={"seed": cfg.seed + 1 + 1009 * repeat + level})
+        seeded = cfg.model_copy(update={"seed": cfg.seed + 1 + 1009 * (repeat + 1) + level})  # -1: warm-up
         return request_set(passages, seeded, config.serve.max_new_tokens)
 
     def progress(repeat: int, label: str, result: Any) -> None:
