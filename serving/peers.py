@@ -134,6 +134,7 @@ def log_peer_comparison(
         for row in table:
             prefix = f"{row.label}.c{row.concurrency}"
             figures = {"tok_s": row.tok_s, "ttft_p50_ms": row.ttft_p50_ms, "ttft_p95_ms": row.ttft_p95_ms}
-            figures |= {"tok_s_ratio": row.tok_s_ratio[0], "ttft_p95_ratio": row.ttft_p95_ratio[0]}
+            for name in ("tok_s_ratio", "ttft_p95_ratio"):  # median, and the lowest and highest repeat
+                figures |= dict(zip((name, f"{name}_low", f"{name}_high"), getattr(row, name), strict=True))
             mlflow.log_metrics({f"{prefix}.{key}": value for key, value in figures.items() if value == value})
     return run.info.run_id

@@ -178,9 +178,8 @@ class Scheduler:
             raise ValueError(f"step_tokens ({step_tokens}) must be at least max_batch ({max_batch})")
         self.runtime, self.max_batch, self.max_queue = runtime, max_batch, max_queue
         self.prefill_chunk = prefill_chunk  # the most tokens of one prompt per step; 0: the budget alone
-        self.step_tokens = (
-            step_tokens  # tokens per engine call: running requests' and prompt slices (see above)
-        )
+        # tokens per engine call: the running requests' and the prompt slices (see the module's docstring)
+        self.step_tokens = step_tokens
         self.prefix_reuse = prefix_reuse  # for decoders that can (see serve.prefix_reuse)
         self.metrics = metrics  # serving.metrics.ServerMetrics, or None (tests of the scheduler alone)
         self.steps = 0  # engine calls so far (prompts run alone + batched steps)
