@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from serving.scheduler import DEFAULT_STEP_TOKENS
 from tasks.config import LoadtestConfig, SloConfig
 
 
@@ -109,7 +110,7 @@ async def _one(
     }
     if (
         ignore_eos
-    ):  # every answer runs to max_tokens: every server does the same work (vLLM's and llama.cpp's field)
+    ):  # every answer runs to max_tokens, the same work on every server (vLLM's and llama.cpp's field)
         body["ignore_eos"] = True
     started, first, tokens, times = time.perf_counter(), float("nan"), 0, []
     try:
@@ -311,7 +312,7 @@ def offline_same_mix(
     max_batch: int,
     prefill_chunk: int = 0,
     prefix_reuse: bool = True,
-    step_tokens: int | None = None,
+    step_tokens: int = DEFAULT_STEP_TOKENS,
 ) -> float:
     """Generated tok/s of the same request set run through the same engine and scheduler settings in this
     process, without HTTP or a client in between (`clients` in flight at once, each sending its next as one ends;
@@ -327,8 +328,7 @@ def offline_same_mix(
     stops = frozenset() if eos is None else frozenset({eos})
     prompts = [runtime.encode(request.prompt) for request in requests]
     queue = max(len(requests), 1)
-    budget = {} if step_tokens is None else {"step_tokens": step_tokens}
-    scheduler = Scheduler(runtime, max_batch, queue, None, prefill_chunk, prefix_reuse, **budget)
+    scheduler = Scheduler(runtime, max_batch, queue, None, prefill_chunk, prefix_reuse, step_tokens)
     lock, pending, produced, finished = (
         threading.Lock(),
         list(range(len(requests))),

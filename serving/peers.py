@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 
-from serving.loadtest import LevelResult, run_level, summarize
+from serving.loadtest import LevelResult, LoadRequest, run_level, summarize
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,16 @@ def first_model(url: str) -> str | None:
 
 def compare(
     servers: list[Server],
-    requests_for: object,
+    requests_for: Callable[[int, int], list[LoadRequest]],
     levels: list[int],
     repeats: int,
     ignore_eos: bool,
-    progress: object = None,
+    progress: Callable[[int, str, LevelResult], None] | None = None,
 ) -> list[PeerRow]:
     """Drive every server at every level `repeats` times; `requests_for(repeat, level)` gives that round's
     requests, the same for every server. The servers' order rotates each repeat (none always goes first)."""
+    warm = requests_for(-1, 1)[:1]
     for server in servers:  # a first request pays for allocations, on every server
-        warm = requests_for(-1, 1)[:1]
         asyncio.run(
             run_level(server.url, server.model, warm, 1, server.api_key, ignore_eos, keep_alive=False)
         )
@@ -74,7 +75,9 @@ def compare(
         for level in levels:
             batch = requests_for(repeat, level)
             for server in order:
-                drive = run_level(server.url, server.model, batch, level, server.api_key, ignore_eos, False)
+                drive = run_level(
+                    server.url, server.model, batch, level, server.api_key, ignore_eos, keep_alive=False
+                )
                 outcomes, wall = asyncio.run(drive)
                 result = summarize(level, outcomes, wall)
                 measured.setdefault((server.label, level), []).append(result)

@@ -111,9 +111,9 @@ def loadtest(
             raise ConfigError(
                 f"{data}: no prepared evaluation split to draw prompts from; run `llmopt run` first"
             )
-        batch = request_set(read_split(data, "evaluation"), cfg, config.serve.max_new_tokens)
+        passages = read_split(data, "evaluation")
+        batch = request_set(passages, cfg, config.serve.max_new_tokens)
         if peer:
-            passages = read_split(data, "evaluation")
             from serving.peers import Server
 
             servers = [Server("llmopt", base, entry["id"], api_key), *_peers(peer)]

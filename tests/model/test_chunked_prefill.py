@@ -141,24 +141,7 @@ def test_several_long_prompts_arriving_together_are_fed_in_turn_and_answer_as_al
         llama.encode(RUNNING),
         llama.encode(" ".join(["Winter letters reach the village music hall."] * 5)),
     ]
-    scheduler = Scheduler(llama, max_batch=4, max_queue=8, prefill_chunk=8)
-    answers: list[list[int]] = [[] for _ in prompts]
-    finished = threading.Semaphore(0)
-
-    def collect(index):
-        def on_event(event):
-            if event[0] == "token":
-                answers[index].append(event[1][0])
-            else:
-                assert event[0] == "done", event
-                finished.release()
-
-        return on_event
-
-    for index, prompt in enumerate(prompts):
-        scheduler.submit(GenerationRequest(prompt, 8, Sampling(), collect(index)))
-    assert all(finished.acquire(timeout=60) for _ in prompts)
-    scheduler.close()
+    answers, _, _ = serve_gated(llama, [(prompt, 8) for prompt in prompts], max_batch=4, prefill_chunk=8)
     assert answers == [llama.generate([prompt], 8, stop_at_eos=False)[0] for prompt in prompts]
 
 

@@ -38,7 +38,7 @@ def test_peers_get_the_same_requests_each_round_its_own_and_ratios_are_per_repea
         assert first_model(theirs) == "tiny/4"
         servers = [Server("llmopt", ours, "tiny/3"), Server("peer", theirs, first_model(theirs))]
         table = compare(servers, requests_for, [1, 2], repeats=2, ignore_eos=True, progress=progress)
-    assert asked == [(-1, 1), (-1, 1), (0, 1), (0, 2), (1, 1), (1, 2)]  # warm-ups, then one set per round
+    assert asked == [(-1, 1), (0, 1), (0, 2), (1, 1), (1, 2)]  # the warm-up set, then one set per round
     assert seen == {"llmopt": [4, 4, 4, 4], "peer": [4, 4, 4, 4]}
     assert [(row.label, row.concurrency) for row in table] == [
         ("llmopt", 1),
