@@ -221,7 +221,7 @@ def print_peer_comparison(table: list, repeats: int) -> None:
             ratio(row.ttft_p95_ratio),
             str(row.errors),
         )
-    console.print(view)
+    _wide_console().print(view)
     console.print(
         "ratios per repeat against llmopt's figure of the same repeat (median, lowest–highest): above 1 in tok/s "
         "and below 1 in TTFT p95, the peer does better"
