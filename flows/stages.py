@@ -22,7 +22,13 @@ from flows.progress import progress_bar, run_progress
 from flows.retries import IO_RETRIES
 from tasks.config import Config, VariantConfig, is_peer_recipe
 from tasks.decide.registry import RegisteredVersion, fetch_version
-from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
+from tasks.decide.select import (
+    Leaderboard,
+    build_leaderboard,
+    evaluation_accuracy,
+    served_metrics,
+    variant_score,
+)
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
@@ -35,6 +41,7 @@ from tasks.measure.benchmark import (
 )
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
 from tasks.measure.fingerprint import git_commit, machine_fingerprint
+from tasks.measure.served import ServedPlan, served_plan
 from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
@@ -141,9 +148,16 @@ def evaluate_task(
 
 @task(name="benchmark", task_run_name="benchmark-{name}", cache_policy=NO_CACHE)
 def benchmark_task(
-    name: str, stored: Stored, config: Config, prompt_text: str, space: Workspace, short: bool = False
+    name: str,
+    stored: Stored,
+    config: Config,
+    prompt_text: str,
+    space: Workspace,
+    short: bool = False,
+    served: ServedPlan | None = None,
 ) -> tuple[BenchmarkResult, Span]:
-    """`short`: the variant is outside the accuracy budget, so it gets `BenchmarkConfig.short`."""
+    """`short`: the variant is outside the accuracy budget, so it gets `BenchmarkConfig.short` (no served
+    capacity). `served`: the served-capacity plan (None: not measured, as for the peer row)."""
     folder = space.fetch(stored)  # before the clock: a download is not part of the measurement
     machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
     settings = config.benchmark.short() if short else config.benchmark
@@ -155,6 +169,7 @@ def benchmark_task(
             config.target.threads,
             config.target.device,
             config.target.tensor_parallel,
+            served,
         )
     return replace(result, short=short), span[0]
 
@@ -202,6 +217,7 @@ class Measurements:
     fingerprint: dict  # of the machine every benchmark ran on
     spans: list[Span]  # every task of the run: what ran where, when
     space: Workspace  # where the folders' bytes are
+    served: ServedPlan | None = None  # the served-capacity plan every selectable model was measured with
 
     def chosen(self, name: str) -> BenchmarkResult:
         """The trial reported for `name`: the one with the median batch-1 decode speed."""
@@ -270,6 +286,8 @@ def measure_variants(
             logger.info(
                 f"outside the accuracy budget, so a short benchmark (never selected): {', '.join(short)}"
             )
+        plan = served_plan(config, texts)
+        served = {name: plan if served_here(config, name, m) else None for name, m in manifests.items()}
         display.expect("evaluate", len(done))
         display.expect("benchmark", len(manifests) * trials)
         with on_benchmark_workers(config):  # ... beside the benchmarks, which run one at a time
@@ -280,7 +298,9 @@ def measure_variants(
             for trial in range(trials):
                 for name in manifests:
                     result, span = on_benchmark_worker(
-                        benchmark_task.submit(name, folders[name], config, texts[0], space, name in short)
+                        benchmark_task.submit(
+                            name, folders[name], config, texts[0], space, name in short, served[name]
+                        )
                     )
                     results[name].append(result)
                     spans.append(span)
@@ -293,8 +313,18 @@ def measure_variants(
         clock.add(span.kind if span.kind != "bandwidth" else "benchmark", span.seconds)
     evaluated = {name: e.evaluation for name, e in done.items()}
     return Measurements(
-        manifests, evaluated, results, bandwidth, folders, stand_ins, fingerprint, spans, space
+        manifests, evaluated, results, bandwidth, folders, stand_ins, fingerprint, spans, space, plan
     )
+
+
+def served_here(config: Config, name: str, manifest: VariantManifest) -> bool:
+    """Whether the benchmark measures this model's served capacity: not for the peer row (never selected), and
+    for the baseline only when the objective is `serving` (it is the reference the speedups are read against
+    then; otherwise its fp32 torch engine, which on a CPU steps each served request alone, would cost more time
+    than all the candidates together for a figure nobody chooses by)."""
+    if is_peer_recipe(manifest.recipe):
+        return False
+    return name != config.select.baseline or config.select.objective == "serving"
 
 
 def outside_budget(
@@ -323,7 +353,15 @@ def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_
     with on_benchmark_workers(config):
         for trial in range(config.select.duel_trials):
             for name in names if trial % 2 == 0 else names[::-1]:  # neither always first (warm caches, turbo)
-                args = (name, measured.folders[name], config, prompt_text, measured.space)
+                args = (
+                    name,
+                    measured.folders[name],
+                    config,
+                    prompt_text,
+                    measured.space,
+                    False,
+                    measured.served,
+                )
                 result, span = on_benchmark_worker(benchmark_task.submit(*args))
                 measured.trials[name].append(result)
                 measured.spans.append(span)
@@ -358,7 +396,7 @@ def rank_and_report(
     fetched = set(m.registered.values()) - set(config.variants)
     names = [n for n in m.manifests if n not in fetched or paired_with_baseline(config, m, n)]
     scores = [variant_score(n, m.manifests[n], m.evaluations[n], m.chosen(n), m.bandwidth_gbs) for n in names]
-    validate_metrics_table([asdict(score) for score in scores], names)
+    validate_metrics_table([asdict(score) | served_metrics(score.served) for score in scores], names)
     board = build_leaderboard(scores, config.select)
     reports = write_reports(board, out_dir) + list(extra_reports)
     fingerprint_hash = str(m.fingerprint["hash"])  # every model of the run was measured on this machine

@@ -10,91 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import httpx
 import numpy as np
 
 from serving.scheduler import DEFAULT_STEP_TOKENS
-from tasks.config import LoadtestConfig, SloConfig
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    prompt: str
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class Outcome:
-    status: int
-    ttft_s: float  # until the first streamed token (nan when none came)
-    total_s: float
-    tokens: int
-    token_times: tuple[float, ...] = ()  # when each chunk carrying text arrived, from the request's start
-
-    @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first (nan with fewer than two tokens)."""
-        return (self.total_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else float("nan")
-
-    def meets(self, slo: SloConfig | None) -> bool:
-        """Answered, and within the SLO's time to first token and time per output token (each where set)."""
-        if self.status != 200 or slo is None:
-            return self.status == 200
-        ttft_ok = slo.ttft_p95_ms is None or self.ttft_s * 1000 <= slo.ttft_p95_ms
-        tpot_ok = slo.tpot_p95_ms is None or not self.tpot_s * 1000 > slo.tpot_p95_ms  # nan (one token) meets
-        return ttft_ok and tpot_ok
-
-
-@dataclass(frozen=True)
-class LevelResult:
-    concurrency: int  # clients (closed loop); 0 in rate mode
-    requests: int
-    errors: int
-    wall_s: float
-    requests_s: float
-    tok_s: float  # generated tokens of all requests per wall-clock second
-    ttft_p50_ms: float
-    ttft_p95_ms: float
-    e2e_p50_ms: float
-    e2e_p95_ms: float
-    decode_tok_s: float  # the server's decode phase alone: tokens from batched steps per second inside them
-    prefill_share: float  # of the wall time, the part the engine spent running prompts (a step waits for it)
-    rate_rps: float = float("nan")  # the offered request rate (rate mode); nan for concurrency levels
-    tpot_p50_ms: float = float("nan")  # time per output token after the first, per request
-    tpot_p95_ms: float = float("nan")
-    itl_p50_ms: float = float("nan")  # gaps between successive streamed chunks, over all requests
-    itl_p95_ms: float = float("nan")
-    goodput_rps: float = float("nan")  # requests/s that met the SLO (nan: no SLO set)
-
-    @property
-    def load(self) -> str:
-        if self.rate_rps == self.rate_rps:
-            return f"{self.rate_rps:.3g} req/s"
-        return f"{self.concurrency} client{'s' if self.concurrency != 1 else ''}"
-
-    def meets(self, slo: SloConfig) -> bool:
-        """No errors, and p95 time to first token and time per output token within the SLO."""
-        ttft = slo.ttft_p95_ms is None or self.ttft_p95_ms <= slo.ttft_p95_ms
-        tpot = slo.tpot_p95_ms is None or not self.tpot_p95_ms > slo.tpot_p95_ms
-        return self.errors == 0 and ttft and tpot
-
-
-def request_set(passages: list[str], cfg: LoadtestConfig, server_cap: int) -> list[LoadRequest]:
-    """The same requests for every level and every run with this seed: N words of a passage (N drawn from
-    `prompt_words`; its first ones, or from a random word on with `prompt_start: anywhere`) and a budget drawn
-    from `max_tokens` (capped at the server's `serve.max_new_tokens`)."""
-    rng = np.random.default_rng(cfg.seed)
-    requests = []
-    for _ in range(cfg.requests_per_level):
-        words = passages[int(rng.integers(len(passages)))].split()
-        count = int(rng.integers(cfg.prompt_words[0], cfg.prompt_words[1] + 1))
-        budget = int(rng.integers(cfg.max_tokens[0], cfg.max_tokens[1] + 1))
-        start = int(rng.integers(max(len(words) - count, 0) + 1)) if cfg.prompt_start == "anywhere" else 0
-        requests.append(LoadRequest(" ".join(words[start : start + count]), min(budget, server_cap)))
-    return requests
+from tasks.config import SloConfig
+from tasks.measure.served import LevelResult, LoadRequest, Outcome, replay, summarize
 
 
 async def _one(
@@ -193,50 +117,6 @@ def engine_counters(url: str) -> dict[str, float]:
     return counters
 
 
-def summarize(
-    concurrency: int,
-    outcomes: list[Outcome],
-    wall_s: float,
-    engine: dict[str, float] | None = None,
-    rate: float = float("nan"),
-    slo: SloConfig | None = None,
-) -> LevelResult:
-    ok = [o for o in outcomes if o.status == 200]
-    ttft = np.array([o.ttft_s for o in ok if o.ttft_s == o.ttft_s]) * 1000
-    e2e = np.array([o.total_s for o in ok]) * 1000
-    tpot = np.array([o.tpot_s for o in ok if o.tpot_s == o.tpot_s]) * 1000
-    itl = (
-        np.concatenate([np.diff(o.token_times) for o in ok if len(o.token_times) > 1] or [np.array([])])
-        * 1000
-    )
-
-    def pct(values: np.ndarray, q: float) -> float:
-        return float(np.percentile(values, q)) if len(values) else float("nan")
-
-    return LevelResult(
-        concurrency=concurrency,
-        requests=len(outcomes),
-        errors=len(outcomes) - len(ok),
-        wall_s=wall_s,
-        requests_s=len(ok) / wall_s,
-        tok_s=sum(o.tokens for o in ok) / wall_s,
-        ttft_p50_ms=pct(ttft, 50),
-        ttft_p95_ms=pct(ttft, 95),
-        e2e_p50_ms=pct(e2e, 50),
-        e2e_p95_ms=pct(e2e, 95),
-        decode_tok_s=engine["decoded"] / engine["decode_s"]
-        if engine and engine["decode_s"]
-        else float("nan"),
-        prefill_share=engine["prefill_s"] / wall_s if engine else float("nan"),
-        rate_rps=rate,
-        tpot_p50_ms=pct(tpot, 50),
-        tpot_p95_ms=pct(tpot, 95),
-        itl_p50_ms=pct(itl, 50),
-        itl_p95_ms=pct(itl, 95),
-        goodput_rps=sum(o.meets(slo) for o in outcomes) / wall_s if slo else float("nan"),
-    )
-
-
 def load_test(
     url: str,
     model: str | None,
@@ -315,63 +195,12 @@ def offline_same_mix(
     step_tokens: int = DEFAULT_STEP_TOKENS,
 ) -> float:
     """Generated tok/s of the same request set run through the same engine and scheduler settings in this
-    process, without HTTP or a client in between (`clients` in flight at once, each sending its next as one ends;
-    greedy, stopping at the end-of-sequence token as served requests do): the ceiling the served figures are read
-    against. A fresh scheduler, so no prefix of an earlier level is in its cache; its decoder is made and warmed
-    by one short request before the clock starts (the server's was, by the load test's warm-up request: timing
-    that setup made the replay read 183 tok/s where the server delivered 240)."""
-    import threading
-
-    from serving.scheduler import GenerationRequest, Sampling, Scheduler
-
-    eos = runtime.eos_token_id
-    stops = frozenset() if eos is None else frozenset({eos})
-    prompts = [runtime.encode(request.prompt) for request in requests]
-    queue = max(len(requests), 1)
-    scheduler = Scheduler(runtime, max_batch, queue, None, prefill_chunk, prefix_reuse, step_tokens)
-    lock, pending, produced, finished = (
-        threading.Lock(),
-        list(range(len(requests))),
-        [0],
-        threading.Semaphore(0),
-    )
-
-    def send() -> None:
-        with lock:
-            if not pending:
-                return
-            index = pending.pop(0)
-
-        def on_event(event: tuple[str, Any]) -> None:
-            if event[0] == "token":
-                with lock:
-                    produced[0] += 1
-            else:
-                finished.release()
-                send()
-
-        scheduler.submit(
-            GenerationRequest(prompts[index], requests[index].max_tokens, Sampling(), on_event, stops)
-        )
-
-    warmed = threading.Event()
-
-    def on_warm_up(event: tuple[str, Any]) -> None:
-        if event[0] != "token":
-            warmed.set()
-
-    started = time.perf_counter()
-    try:
-        scheduler.submit(GenerationRequest(prompts[0], 1, Sampling(), on_warm_up, stops))
-        warmed.wait()
-        started = time.perf_counter()
-        for _ in range(min(clients, len(requests))):
-            send()
-        for _ in requests:
-            finished.acquire()
-    finally:
-        scheduler.close()
-    return produced[0] / (time.perf_counter() - started)
+    process (`replay`: no HTTP or client in between; greedy, stopping at the end-of-sequence token as served
+    requests do): the ceiling the served figures are read against. Its decoder is warmed before the clock starts
+    (the server's was, by the load test's warm-up request: timing that setup made the replay read 183 tok/s where
+    the server delivered 240)."""
+    outcomes, wall = replay(runtime, requests, clients, max_batch, prefill_chunk, prefix_reuse, step_tokens)
+    return sum(o.tokens for o in outcomes if o.status == 200) / wall
 
 
 def served_model(url: str, model: str | None, api_key: str | None) -> dict:

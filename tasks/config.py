@@ -68,6 +68,11 @@ class BenchmarkConfig(Strict):
     request_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 16
     warmup: Annotated[int, Field(ge=0)] = 1
     repeats: Annotated[int, Field(ge=1)] = 3
+    # Served capacity (tasks/measure/served.py): the load test's request mix (`loadtest` settings) through the real
+    # scheduler (`serve` settings) in the benchmark's process, at each of these client counts; empty: not measured.
+    # Every qualifying variant (not one outside the accuracy budget, not the peer row)
+    served_clients: list[Annotated[int, Field(ge=1, le=256)]] = [1, 16]
+    served_requests: Annotated[int, Field(ge=1, le=10_000)] = 16  # requests per client count
 
     def short(self) -> BenchmarkConfig:
         """The benchmark of a variant outside the accuracy budget (it can never be selected, it is still on the
@@ -77,6 +82,7 @@ class BenchmarkConfig(Strict):
         batches = sorted({1, max(self.batch_sizes)})
         lengths = sorted({min(self.ttft_prompt_tokens), max(self.ttft_prompt_tokens)})
         update = {
+            "served_clients": [],  # never selected: its served capacity would decide nothing
             "batch_sizes": batches,
             "ttft_prompt_tokens": lengths,
             "requests": max(1, self.requests // 3),
@@ -89,6 +95,8 @@ class BenchmarkConfig(Strict):
             raise ValueError("batch_sizes must include 1 (the latency a single user sees)")
         if len(set(self.batch_sizes)) != len(self.batch_sizes):
             raise ValueError("batch_sizes must not repeat a size")
+        if len(set(self.served_clients)) != len(self.served_clients):
+            raise ValueError("served_clients must not repeat a client count")
         return self
 
 
@@ -115,7 +123,9 @@ class SelectConfig(Strict):
     confidence: Annotated[float, Field(gt=0.5, lt=1.0)] = 0.95
     bootstrap_resamples: Annotated[int, Field(ge=100, le=1_000_000)] = 2000
     seed: int = 0
-    objective: Literal["latency", "throughput", "memory"] = "latency"
+    # serving: served capacity at the most clients of benchmark.served_clients (goodput under `slo` when set, else
+    # tok/s), measured through the real scheduler
+    objective: Literal["latency", "throughput", "memory", "serving"] = "latency"
     # Constraints a winner must meet (None: no constraint).
     max_ttft_ms: Annotated[float, Field(gt=0)] | None = None
     max_rss_mb: Annotated[float, Field(gt=0)] | None = None
@@ -408,8 +418,10 @@ class ServeConfig(Strict):
 
 
 class SloConfig(Strict):
-    """A service-level objective for `llmopt loadtest`: p95 time to first token and p95 time per output token
-    (after the first), each in ms; at least one."""
+    """The service-level objective, defined once (the top-level `slo:`): p95 time to first token and p95 time per
+    output token (after the first), each in ms; at least one. The load test reports goodput against it and
+    searches the highest rate that meets it; the benchmark's served capacity reports goodput, which
+    `select.objective: serving` ranks by."""
 
     ttft_p95_ms: Annotated[float, Field(gt=0)] | None = None
     tpot_p95_ms: Annotated[float, Field(gt=0)] | None = None
@@ -428,7 +440,6 @@ class LoadtestConfig(Strict):
 
     concurrency: Annotated[list[Annotated[int, Field(ge=1, le=1024)]], Field(min_length=1)] = [1, 4, 16]
     rates: list[Annotated[float, Field(gt=0, le=10_000)]] = []
-    slo: SloConfig | None = None
     search_trials: Annotated[int, Field(ge=0, le=20)] = 6
     # The same request set run offline through the same engine in this process (the served version, downloaded),
     # with one client and with the most clients of `concurrency`: the ceiling the served figures are read against
@@ -440,6 +451,16 @@ class LoadtestConfig(Strict):
     # chats sharing a system prompt do) or "anywhere" (a random word: no shared prefixes)
     prompt_start: Literal["first", "anywhere"] = "first"
     max_tokens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [16, 64]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _slo_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "slo" in data:
+            raise ValueError(
+                "loadtest.slo moved to the top-level `slo:` section (one SLO for the load test and for "
+                "select.objective: serving); move it there"
+            )
+        return data
 
     @model_validator(mode="after")
     def _ranges_ascend(self) -> LoadtestConfig:
@@ -538,6 +559,9 @@ class Config(Strict):
     tracking: TrackingConfig = TrackingConfig()
     serve: ServeConfig = ServeConfig()
     loadtest: LoadtestConfig = LoadtestConfig()
+    slo: SloConfig | None = (
+        None  # the service-level objective of the load test and of select.objective: serving
+    )
     schedule: ScheduleConfig = ScheduleConfig()
     services: ServicesConfig = ServicesConfig()
     cluster: ClusterConfig = ClusterConfig()
@@ -566,6 +590,10 @@ class Config(Strict):
                     f"variants.{name}.runtime.speculative.draft: {speculative.draft} speculates itself; a draft "
                     "proposes with plain decoding"
                 )
+        if self.select.objective == "serving" and not self.benchmark.served_clients:
+            raise ValueError(
+                "select.objective: serving ranks by served capacity: benchmark.served_clients must not be empty"
+            )
         if self.services.prefect_worker and self.schedule.work_pool is None:
             raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self

@@ -83,19 +83,13 @@ def loadtest(
     arrivals) with the same seeded requests (evaluation-split prompts of varied length, varied max_tokens, greedy,
     streamed); print requests/s, aggregate tok/s, TTFT, time per output token, inter-token latency and end-to-end
     p50/p95, and log them to MLflow beside the model version served, with the engine's offline batch throughput
-    from the pipeline's benchmark as the reference ceiling. With `loadtest.slo`, each level's goodput (requests/s
+    from the pipeline's benchmark as the reference ceiling. With `slo` set, each level's goodput (requests/s
     that met the SLO) and a search for the highest request rate that meets it."""
     with CommandSession(debug) as session:
         config, root = session.setup(params)
-        from serving.loadtest import (
-            load_test,
-            log_load_test,
-            offline_ceiling,
-            request_set,
-            search_rate,
-            served_model,
-        )
+        from serving.loadtest import load_test, log_load_test, offline_ceiling, search_rate, served_model
         from tasks.inputs.data import read_split
+        from tasks.measure.served import request_set
         from tasks.report.tracking import configure_tracking
 
         cfg = config.loadtest.model_copy(
@@ -122,9 +116,9 @@ def loadtest(
         console.print(
             f"load test: {entry['served_id']} ({entry['variant']}) at {base}, levels {levels}, {len(batch)} requests each"
         )
-        results = load_test(base, entry["id"], batch, levels, api_key, offered, cfg.slo, cfg.seed)
+        results = load_test(base, entry["id"], batch, levels, api_key, offered, config.slo, cfg.seed)
         best, trials = None, []
-        if cfg.slo and cfg.search_trials:
+        if config.slo and cfg.search_trials:
             one_client = [r.requests_s for r in results if r.concurrency == 1 and r.requests_s > 0]
             start = one_client[0] if one_client else 1.0
             console.print(
@@ -139,7 +133,7 @@ def loadtest(
                 )
 
             best, trials = search_rate(
-                base, entry["id"], batch, api_key, cfg.slo, start, cfg.search_trials, cfg.seed, report
+                base, entry["id"], batch, api_key, config.slo, start, cfg.search_trials, cfg.seed, report
             )
             results = results + sorted(trials, key=lambda r: r.rate_rps)
         configure_tracking(config.tracking, root)
@@ -156,11 +150,12 @@ def loadtest(
             "levels": levels,
             "rates": offered,
             **cfg.model_dump(exclude={"concurrency", "rates"}),
+            "slo": config.slo.model_dump() if config.slo else None,
         }
         run_id = log_load_test(
             config.tracking.experiment, entry, results, ceiling, settings, best, trials, same_mix
         )
-        print_load_test(results, ceiling, cfg.slo, best, same_mix)
+        print_load_test(results, ceiling, config.slo, best, same_mix)
         console.print(f"logged to MLflow run {run_id} (tag llmopt.loadtest_run on {registered} v{version})")
 
 
@@ -189,8 +184,8 @@ def _compare_peers(
     ignore_eos: bool,
 ) -> None:
     """The same requests against llmopt and every peer (serving/peers.py); one table, logged to MLflow."""
-    from serving.loadtest import request_set
     from serving.peers import compare, log_peer_comparison
+    from tasks.measure.served import request_set
     from tasks.report.tracking import configure_tracking
 
     def requests_for(repeat: int, level: int) -> list:

@@ -2,7 +2,8 @@
 
 The scenarios of the field's case studies: `latency` (one user: batch-1 decode speed), `throughput` (a busy
 server: aggregate decode speed at the largest measured batch), `memory` (a small machine: peak resident memory,
-then size on disk). A variant is on the frontier when no other variant is at least as good on accuracy
+then size on disk), `serving` (a server under load: served capacity through the real scheduler at the most
+clients measured, goodput under the SLO where one is set, else tok/s). A variant is on the frontier when no other variant is at least as good on accuracy
 (perplexity ratio), on the objective's speed and on peak memory, and better on one of them.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-Objective = Literal["latency", "throughput", "memory"]
+Objective = Literal["latency", "throughput", "memory", "serving"]
 
 # (perplexity ratio, speed, peak RSS MB): lower, higher, lower is better
 Point = tuple[float, float, float]

@@ -50,6 +50,8 @@ def objective_samples(trials: list[BenchmarkResult], objective: Objective) -> li
         return [1.0 / trial.peak_rss_mb for trial in trials]
     if objective == "throughput":
         return [run for t in trials for run in max(t.batches, key=lambda b: b.batch_size).decode_tok_s_runs]
+    if objective == "serving":  # one served measurement per trial: its capacity at the most clients
+        return [max(t.served, key=lambda level: level.concurrency).capacity for t in trials if t.served]
     return [run for trial in trials for run in trial.decode_tok_s_runs]
 
 

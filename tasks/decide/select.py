@@ -17,6 +17,7 @@ from tasks.engines.manifest import VariantManifest
 from tasks.errors import ComparisonError
 from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
 from tasks.measure.evaluate import VariantEvaluation
+from tasks.measure.served import LevelResult
 from tasks.measure.speculation import StyleSpeed
 
 
@@ -46,13 +47,23 @@ class VariantScore:
         False  # outside the accuracy budget: measured at batch 1 only (BenchmarkConfig.short)
     )
     speculation: tuple[StyleSpeed, ...] = ()  # a speculative variant: with and without it, by prompt style
+    # served capacity through the real scheduler, per client count (empty: not measured, e.g. short, peer)
+    served: tuple[LevelResult, ...] = ()
 
     def top_batch(self) -> tuple[int, float]:
         """(largest measured batch size, its aggregate decode tok/s)."""
         return max(self.batch_decode_tok_s, default=(1, self.decode_tok_s))
 
+    def top_served(self) -> LevelResult | None:
+        """The served measurement at the most clients (None: not measured)."""
+        return max(self.served, key=lambda level: level.concurrency, default=None)
+
     def speed(self, objective: Objective) -> float:
-        """The decode speed an objective cares about: aggregate at the largest batch for throughput, else batch 1."""
+        """The speed an objective cares about: aggregate decode at the largest batch for throughput, served
+        capacity at the most clients for serving (nan: not measured), else batch-1 decode."""
+        if objective == "serving":
+            top = self.top_served()
+            return top.capacity if top is not None else float("nan")
         return self.top_batch()[1] if objective == "throughput" else self.decode_tok_s
 
 
@@ -84,6 +95,7 @@ def variant_score(
         peer=is_peer_recipe(manifest.recipe),
         short_benchmark=bench.short,
         speculation=tuple(bench.speculation or ()),
+        served=tuple(bench.served or ()),
     )
 
 
@@ -126,8 +138,17 @@ class Leaderboard:
     def winner_summary(self) -> str:
         """One sentence on the winner, for the registry's version description."""
         row = self.row(str(self.winner))
+        speed = f"{row.score.decode_tok_s:.1f} decode tok/s"
+        if self.objective == "throughput":
+            speed = f"{row.score.top_batch()[1]:.1f} decode tok/s at batch {row.score.top_batch()[0]}"
+        top = row.score.top_served()
+        if self.objective == "serving" and top is not None:
+            goodput = (
+                f"{top.goodput_rps:.2f} req/s within the SLO, " if top.goodput_rps == top.goodput_rps else ""
+            )
+            speed = f"{goodput}{top.tok_s:.1f} tok/s served to {top.concurrency} clients"
         return (
-            f"{self.winner}: {row.score.decode_tok_s:.1f} decode tok/s ({row.speedup:.2f}× {self.baseline}), "
+            f"{self.winner}: {speed} ({row.speedup:.2f}× {self.baseline}), "
             f"perplexity {row.score.perplexity:.2f} (×{row.ppl_ratio:.3f}, {self.confidence:.0%} CI "
             f"{row.ppl_ratio_low:.3f}–{row.ppl_ratio_high:.3f}), {row.score.size_bytes / 1e6:.0f} MB"
         )
@@ -153,6 +174,7 @@ class Leaderboard:
                     else {"latency_p95_ms": round(row.score.latency_p95_ms, 1)}
                 ),
                 "roofline_fraction": round(row.score.roofline_fraction, 4),
+                **served_metrics(row.score.served),
                 "size_mb": round(row.score.size_bytes / 1e6, 1),
                 "peak_rss_mb": round(row.score.peak_rss_mb, 1),
                 "on_frontier": int(row.on_frontier),
@@ -180,6 +202,12 @@ class Leaderboard:
             legend += (
                 ", ⏱ short benchmark (outside the budget, never selected: batch 1 and the largest batch only, the "
                 "shortest and longest TTFT prompts, a third of the requests, so no p95)"
+            )
+        clients = served_top(self)
+        if clients is not None:
+            legend += (
+                f"; c{clients}: served to {clients} clients through llmopt's scheduler (– not measured: the peer "
+                "row, a short benchmark, the baseline unless the objective is serving)"
             )
         return legend
 
@@ -216,9 +244,34 @@ class Leaderboard:
 NOT_MEASURED = "–"  # a cell the row's (short) benchmark did not measure comparably
 
 
+def served_metrics(levels: tuple[LevelResult, ...] | list[LevelResult]) -> dict[str, float]:
+    """A model's served capacity as flat numbers, per client count: tok/s, TTFT p50/p95, TPOT p95 and goodput
+    (where an SLO was set)."""
+    metrics = {}
+    for level in levels:
+        n = level.concurrency
+        metrics |= {
+            f"served_tok_s_c{n}": round(level.tok_s, 2),
+            f"served_ttft_p50_ms_c{n}": round(level.ttft_p50_ms, 1),
+            f"served_ttft_p95_ms_c{n}": round(level.ttft_p95_ms, 1),
+            f"served_tpot_p95_ms_c{n}": round(level.tpot_p95_ms, 2),
+        }
+        if level.goodput_rps == level.goodput_rps:
+            metrics[f"served_goodput_rps_c{n}"] = round(level.goodput_rps, 3)
+    return {key: value for key, value in metrics.items() if value == value}  # nan: not measurable (one token)
+
+
+def served_top(board: Leaderboard) -> int | None:
+    """The most clients any row's served capacity was measured at (None: no row has it)."""
+    return max((level.concurrency for r in board.rows for level in r.score.served), default=None)
+
+
 def table_columns(board: Leaderboard) -> list[str]:
-    """Column headers; the batched-speed column names the largest measured batch size."""
+    """Column headers; the batched-speed column names the largest measured batch size, the served columns (where
+    any row has them) the most clients."""
     top = max((r.score.top_batch()[0] for r in board.rows), default=1)
+    clients = served_top(board)
+    served = [] if clients is None else [f"c{clients} tok/s", f"c{clients} TTFT p95"]
     return [
         "variant",
         "perplexity",
@@ -230,6 +283,7 @@ def table_columns(board: Leaderboard) -> list[str]:
         "speedup",
         "TTFT ms",
         "p95 ms",
+        *served,
         "roofline",
         "size MB",
         "peak RSS MB",
@@ -239,6 +293,7 @@ def table_columns(board: Leaderboard) -> list[str]:
 def table_cells(board: Leaderboard) -> list[list[str]]:
     """Formatted cells of every row, shared by the terminal, markdown and CSV renderings."""
     cells, columns_top = [], max((r.score.top_batch()[0] for r in board.rows), default=1)
+    clients = served_top(board)
     for row in board.rows:
         s = row.score
         mark = (" ★" if s.variant == board.winner else "") + (" ◆" if row.on_frontier else "")
@@ -254,15 +309,23 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 f"{s.cloze_accuracy:.0%} (p={row.cloze_p_value:.2f})",
                 f"{s.decode_tok_s:.1f}",
                 f"{top_speed:.1f}" if top == columns_top else NOT_MEASURED,
-                f"{row.speedup:.2f}",
+                f"{row.speedup:.2f}" if row.speedup == row.speedup else NOT_MEASURED,
                 f"{s.ttft_ms:.0f}",
                 NOT_MEASURED if s.short_benchmark else f"{s.latency_p95_ms:.0f}",
+                *([] if clients is None else _served_cells(s, clients)),
                 f"{s.roofline_fraction:.0%}",
                 f"{s.size_bytes / 1e6:.0f}",
                 f"{s.peak_rss_mb:.0f}",
             ]
         )
     return cells
+
+
+def _served_cells(score: VariantScore, clients: int) -> list[str]:
+    level = next((level for level in score.served if level.concurrency == clients), None)
+    if level is None:
+        return [NOT_MEASURED, NOT_MEASURED]
+    return [f"{level.tok_s:.1f}", f"{level.ttft_p95_ms:.0f}"]
 
 
 def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderboard:
@@ -294,11 +357,16 @@ def objective_key(row: LeaderboardRow, objective: Objective) -> tuple[float, ...
     s = row.score
     if objective == "memory":
         return (-s.peak_rss_mb, -s.size_bytes, -row.ppl_ratio, s.decode_tok_s)
-    return (s.speed(objective), -row.ppl_ratio, -s.peak_rss_mb)
+    return (_measured(s.speed(objective)), -row.ppl_ratio, -s.peak_rss_mb)
+
+
+def _measured(speed: float) -> float:
+    """A speed to compare: not measured (nan: a row without served capacity) ranks below every measured one."""
+    return speed if speed == speed else float("-inf")
 
 
 def _point(row: LeaderboardRow, objective: Objective) -> tuple[float, float, float]:
-    return (row.ppl_ratio, row.score.speed(objective), row.score.peak_rss_mb)
+    return (row.ppl_ratio, _measured(row.score.speed(objective)), row.score.peak_rss_mb)
 
 
 def _reason(board: Leaderboard, qualifying: int) -> str:
@@ -378,7 +446,10 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
     failures = [] if check.failure is None else [check.failure]
     if score.peer:
         failures.insert(0, PEER_FAILURE)
-    speedup = score.speed(cfg.objective) / base.speed(cfg.objective)
+    elif cfg.objective == "serving" and score.top_served() is None and within_budget:
+        failures.append("no served capacity measured (objective: serving)")
+    base_speed = base.speed(cfg.objective)
+    speedup = score.speed(cfg.objective) / base_speed if base_speed > 0 else float("nan")
     return LeaderboardRow(
         score=score,
         ppl_ratio=interval.ratio,

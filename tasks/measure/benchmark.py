@@ -22,6 +22,7 @@ from pathlib import Path
 from tasks.config import BenchmarkConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.failpoints import failpoint
+from tasks.measure.served import LevelResult, ServedPlan, served_capacity
 from tasks.measure.speculation import StyleSpeed, measure_speculation
 
 
@@ -66,6 +67,11 @@ class BenchmarkResult:
     short: bool = False
     # a speculative variant: each prompt style with and without speculation (tasks/measure/speculation.py)
     speculation: list[StyleSpeed] | None = None
+    # served capacity at each of benchmark.served_clients (tasks/measure/served.py), after everything above and
+    # outside peak_rss_mb (the serving decoder's KV rows are the server's memory, not the variant's at batch 1);
+    # None: not measured (outside the accuracy budget, the peer row, or served_clients empty)
+    served: list[LevelResult] | None = None
+    served_peak_rss_mb: float | None = None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")
@@ -237,9 +243,11 @@ def benchmark_variant(
     threads: int,
     device: str = "cpu",
     tensor_parallel: int = 1,
+    served: ServedPlan | None = None,
 ) -> BenchmarkResult:
     """Load the variant on `device` and measure TTFT, decode speed per batch size and latency over the request
-    set (every timed call returns token ids to the host, so a GPU's queued work is inside the timing)."""
+    set (every timed call returns token ids to the host, so a GPU's queued work is inside the timing); with a
+    `served` plan, then its served capacity at each of `cfg.served_clients`."""
     rss_before = _rss_mb()
     gpu = device.startswith("cuda")
     if gpu:
@@ -266,6 +274,11 @@ def benchmark_variant(
         speculation = measure_speculation(
             runtime, ids, cfg.prompt_tokens, cfg.new_tokens, cfg.warmup, cfg.repeats
         )
+    peak_rss_mb = _peak_rss_mb()
+    peak_gpu_mb = torch.cuda.max_memory_allocated(device) / 2**20 if gpu else None
+    levels = None
+    if served is not None and cfg.served_clients:
+        levels = served_capacity(runtime, served, cfg.served_clients)
     return BenchmarkResult(
         load_s=load_s,
         ttft_ms=single.ttft_ms,
@@ -282,12 +295,14 @@ def benchmark_variant(
         new_tokens=cfg.new_tokens,
         weight_bytes=weight_bytes(folder),
         decode_read_bytes=decode_read_bytes(folder, device),
-        peak_rss_mb=_peak_rss_mb(),
+        peak_rss_mb=peak_rss_mb,
         process_rss_before_load_mb=rss_before,
         threads=threads,
-        peak_gpu_mb=torch.cuda.max_memory_allocated(device) / 2**20 if gpu else None,
+        peak_gpu_mb=peak_gpu_mb,
         first_call_s=first_call_s,
         speculation=speculation,
+        served=levels,
+        served_peak_rss_mb=_peak_rss_mb() if levels is not None else None,
     )
 
 
@@ -373,12 +388,13 @@ def benchmark_in_fresh_process(
     threads: int,
     device: str = "cpu",
     tensor_parallel: int = 1,
+    served: ServedPlan | None = None,
 ) -> BenchmarkResult:
     """Run `benchmark_variant` in a newly spawned interpreter and return its result."""
     from tasks.quiet import output_to_log_file
 
     spawn = multiprocessing.get_context("spawn")
-    arguments = (str(folder), cfg.model_dump(), prompt_text, threads, device, tensor_parallel)
+    arguments = (str(folder), cfg.model_dump(), prompt_text, threads, device, tensor_parallel, served)
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=output_to_log_file) as pool:
         future = pool.submit(_benchmark_as_dict, *arguments)
         failpoint("benchmark")  # tests: SIGKILL while the benchmark process runs
@@ -388,17 +404,25 @@ def benchmark_in_fresh_process(
         result["speculation"] = [
             StyleSpeed(**{**style, "ratio_ci": tuple(style["ratio_ci"])}) for style in result["speculation"]
         ]
+    if result["served"] is not None:
+        result["served"] = [LevelResult(**level) for level in result["served"]]
     return BenchmarkResult(**result)
 
 
 def _benchmark_as_dict(
-    folder: str, cfg: dict, prompt_text: str, threads: int, device: str, tensor_parallel: int
+    folder: str,
+    cfg: dict,
+    prompt_text: str,
+    threads: int,
+    device: str,
+    tensor_parallel: int,
+    served: ServedPlan | None,
 ) -> dict:
     from tasks.quiet import quiet_libraries
 
     quiet_libraries()  # a spawned interpreter does not inherit the CLI's warning filters and log levels
     result = benchmark_variant(
-        Path(folder), BenchmarkConfig(**cfg), prompt_text, threads, device, tensor_parallel
+        Path(folder), BenchmarkConfig(**cfg), prompt_text, threads, device, tensor_parallel, served
     )
     return asdict(result)
 

@@ -18,7 +18,10 @@ def tradeoff_plot(board: Leaderboard, path: Path) -> Path:
 
     figure, axes = plt.subplots(figsize=(8, 5), dpi=120)
     speed = {row.score.variant: row.score.speed(board.objective) for row in board.rows}
-    frontier = [row for row in board.rows if row.on_frontier]
+    rows = [
+        row for row in board.rows if speed[row.score.variant] == speed[row.score.variant]
+    ]  # nan: not served
+    frontier = [row for row in rows if row.on_frontier]
     axes.scatter(
         [speed[r.score.variant] for r in frontier],
         [r.ppl_ratio for r in frontier],
@@ -29,7 +32,7 @@ def tradeoff_plot(board: Leaderboard, path: Path) -> Path:
         label="Pareto frontier (accuracy, speed, memory)",
         zorder=3,
     )
-    for row in board.rows:
+    for row in rows:
         colour = (
             "#d4a017"
             if row.score.variant == board.winner
@@ -66,6 +69,12 @@ def tradeoff_plot(board: Leaderboard, path: Path) -> Path:
     axes.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     batch = "largest batch, all sequences" if board.objective == "throughput" else "batch 1"
     axes.set_xlabel(f"decode tokens/s ({batch}, log scale)")
+    top = max(
+        (level for r in rows for level in r.score.served), key=lambda level: level.concurrency, default=None
+    )
+    if board.objective == "serving" and top is not None:
+        measure = "requests/s within the SLO" if top.goodput_rps == top.goodput_rps else "generated tokens/s"
+        axes.set_xlabel(f"served {measure} ({top.concurrency} clients, log scale)")
     axes.set_ylabel(f"perplexity ÷ {board.baseline} ({board.confidence:.0%} CI)")
     axes.set_title("Speed vs accuracy: up-left is worse, down-right is better")
     axes.legend(loc="upper left")

@@ -227,6 +227,7 @@ def log_variant_run(
                 "speculative_tok_s",
             )
         },
+        **_served_metrics(bench),
     }
     curves = [
         Metric(key, float(value), 0, step)
@@ -251,6 +252,29 @@ def log_variant_run(
             client.log_artifact(run.info.run_id, str(picture))
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
+
+
+SERVED_FIELDS = (
+    "tok_s",
+    "requests_s",
+    "ttft_p50_ms",
+    "ttft_p95_ms",
+    "tpot_p95_ms",
+    "e2e_p95_ms",
+    "goodput_rps",
+)
+
+
+def _served_metrics(bench: BenchmarkResult) -> dict[str, float]:
+    """Served capacity per client count, keyed as the load test keys its levels (`served.c16.tok_s`, …)."""
+    metrics = {
+        f"served.c{level.concurrency}.{name}": getattr(level, name)
+        for level in bench.served or ()
+        for name in SERVED_FIELDS
+    }
+    if bench.served_peak_rss_mb is not None:
+        metrics["served_peak_rss_mb"] = bench.served_peak_rss_mb
+    return {key: value for key, value in metrics.items() if value == value}  # nan: not measured
 
 
 def _mixed_precision_metrics(plan: dict[str, Any]) -> dict[str, float]:

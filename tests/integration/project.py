@@ -66,7 +66,19 @@ def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
             "request_new_tokens": 4,
             "warmup": 1,
             "repeats": 2,
+            "served_clients": [1, 3],
+            "served_requests": 6,
         },
+        # the served capacity's mix and batching (each a parameter of the DVC stage: present, so `dvc repro` runs)
+        "loadtest": {"prompt_words": [4, 30], "max_tokens": [3, 8]},
+        "serve": {
+            "max_batch": 16,
+            "step_tokens": 256,
+            "prefill_chunk": 0,
+            "prefix_reuse": True,
+            "max_new_tokens": 256,
+        },
+        "slo": None,
         "target": {"threads": 1},
         "select": {"max_ppl_increase": 0.5},
         "variants": {

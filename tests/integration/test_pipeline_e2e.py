@@ -151,6 +151,15 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(repro_state):
     timings = parents[0].data.metrics
     assert timings["wall_s"] >= timings["stage_s.build"] + timings["stage_s.benchmark"] > 0
     onnx = next(c for c in children if c.info.run_name == "onnx_int8").data
+    # served capacity through the real scheduler, at each of benchmark.served_clients, for every candidate (the
+    # baseline only under objective: serving)
+    for child in children:
+        metrics = child.data.metrics
+        if child.info.run_name == "baseline":
+            assert "served.c3.tok_s" not in metrics
+            continue
+        assert metrics["served.c3.tok_s"] > 0 and metrics["served.c1.ttft_p95_ms"] > 0, child.info.run_name
+        assert metrics["served_peak_rss_mb"] >= metrics["peak_rss_mb"]
     assert onnx.params["technique"] == "onnx_genai" and onnx.params["weight_bits"] == "8"
     assert onnx.params["onnx_genai.block_size"] == "32" and onnx.params["runtime.dtype"] == "float32"
     assert onnx.tags["llmopt.fingerprint"] == parents[0].data.tags["llmopt.fingerprint"]
@@ -265,6 +274,24 @@ def test_a_faster_equally_accurate_challenger_beats_a_slow_production_and_is_pro
         gated.returncode == 1 and "error: production unchanged: baseline refused: latency ×" in gated.stderr
     )
     assert client.get_model_version_by_alias("tiny-test", "production").version == production.version
+
+
+def test_the_serving_objective_duels_on_served_capacity_and_shows_it_on_the_leaderboard(after_challenger):
+    """`select.objective: serving` end to end: the leaderboard carries every model's served tok/s and TTFT p95 at
+    the most clients, and the gate duels on served capacity (measured again in each duel trial). On the CPU the
+    torch engine steps each served request in its own forward call while ONNX Runtime batches them, so the fp32
+    baseline cannot beat the ONNX fp32 production on serving any more than on latency."""
+    root, baseline_version, _ = after_challenger
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["select"] = {**params["select"], "objective": "serving", "duel_trials": 2}
+    (root / "serving.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    gated = run(root, "llmopt", "promote", baseline_version, "-p", "serving.yaml", check=False)
+    assert gated.returncode == 1 and "baseline refused: serving ×" in gated.stderr, gated.stderr[-3000:]
+    board = (root / ".llmopt/reports/leaderboard.md").read_text()
+    header = board.splitlines()[0]
+    assert "c3 tok/s" in header and "c3 TTFT p95" in header
+    rows = [line for line in board.splitlines()[2:] if line.startswith("| ")]
+    assert rows and all(line.count(" – ") == 0 for line in rows)  # every model served and measured
 
 
 def register_baseline(root: Path) -> str:

@@ -1,5 +1,7 @@
 """The benchmark on a tiny variant: sane numbers, and memory that belongs to the benchmarked process only."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +139,66 @@ def test_ttft_comes_from_the_timed_call_where_the_engine_reports_it_else_from_a_
     assert reporting.calls == [4, 8, 8, 8]  # the warm-up, then the timed calls only: no second prefill
     ttft, _ = measure(silent, [[1, 2]], new_tokens=8, warmup=1, repeats=3)
     assert silent.calls == [4, 8, 1, 8, 1, 8, 1] and all(0 <= t < 0.25 for t in ttft)
+
+
+@pytest.mark.parametrize("engine", ["torch", "onnxruntime-genai", "llama.cpp"])
+def test_served_capacity_runs_every_request_to_its_budget_through_the_scheduler_after_peak_memory(
+    tiny_engine_dir, engine
+):
+    """Each client count replays the whole mix through the real scheduler; every request runs to its budget
+    (no early end-of-sequence: the same work for every variant), every one has a first token; the serving
+    decoder's memory is reported apart from the batch-1 peak."""
+    from tasks.config import SloConfig
+    from tasks.measure.served import LoadRequest, ServedPlan
+
+    words = [
+        "the",
+        "river",
+        "walks",
+        "the",
+        "stone",
+        "and",
+        "the",
+        "market",
+        "holds",
+        "the",
+        "bridge",
+        "over",
+        "winter",
+        "letters",
+    ]
+    requests = tuple(LoadRequest(" ".join(words[: 3 + i]), 3 + i % 4) for i in range(6))
+    plan = ServedPlan(requests, max_batch=4, step_tokens=16, prefill_chunk=0, prefix_reuse=True)
+    cfg = BenchmarkConfig(
+        prompt_tokens=8,
+        new_tokens=4,
+        batch_sizes=[1],
+        ttft_prompt_tokens=[4],
+        requests=2,
+        request_new_tokens=2,
+        warmup=0,
+        repeats=1,
+        served_clients=[1, 4],
+    )
+    result = benchmark_in_fresh_process(tiny_engine_dir(engine), cfg, "The river walks.", 1, served=plan)
+    assert [level.concurrency for level in result.served] == [1, 4]
+    for level in result.served:
+        assert level.requests == 6 and level.errors == 0
+        assert level.tok_s * level.wall_s == pytest.approx(sum(r.max_tokens for r in requests))
+        assert 0 < level.ttft_p50_ms <= level.ttft_p95_ms <= level.e2e_p95_ms
+        assert level.goodput_rps != level.goodput_rps  # no SLO, no goodput
+    assert result.served_peak_rss_mb >= result.peak_rss_mb
+    short = benchmark_in_fresh_process(
+        tiny_engine_dir(engine), cfg.short(), "The river walks.", 1, served=plan
+    )
+    assert short.served is None and short.served_peak_rss_mb is None
+
+    if engine == "llama.cpp":  # goodput counts the requests within the SLO
+        from tasks.engines import load_runtime
+        from tasks.measure.served import served_capacity
+
+        runtime = load_runtime(tiny_engine_dir(engine), threads=1)
+        generous = served_capacity(runtime, replace(plan, slo=SloConfig(ttft_p95_ms=60_000)), [4])[0]
+        assert generous.goodput_rps == pytest.approx(generous.requests_s)
+        impossible = served_capacity(runtime, replace(plan, slo=SloConfig(ttft_p95_ms=1e-6)), [4])[0]
+        assert impossible.goodput_rps == 0.0

@@ -296,3 +296,18 @@ def test_the_former_name_of_gptqmodel_still_reads_and_is_named_once(tmp_path):
         "params.yaml: variants.g.steps[0].quantize: method: gptq → method: gptqmodel "
         "(the former spelling still works, for now)"
     ]
+
+
+def test_one_slo_serves_the_load_test_and_the_serving_objective_and_the_old_place_says_where_it_went(
+    tmp_path,
+):
+    text = MINIMAL + "select: {objective: serving}\nslo: {ttft_p95_ms: 2000}\n"
+    config = load_config(write(tmp_path, text))
+    assert config.slo.ttft_p95_ms == 2000 and config.benchmark.served_clients == [1, 16]
+    with pytest.raises(ConfigError, match=r"loadtest: .*loadtest\.slo moved to the top-level `slo:` section"):
+        load_config(write(tmp_path, MINIMAL + "loadtest: {slo: {ttft_p95_ms: 2000}}\n"))
+    with pytest.raises(ConfigError, match=r"objective: serving .*served_clients must not be empty"):
+        load_config(write(tmp_path, text + "benchmark: {served_clients: []}\n"))
+    with pytest.raises(ConfigError, match="served_clients must not repeat"):
+        load_config(write(tmp_path, MINIMAL + "benchmark: {served_clients: [16, 16]}\n"))
+    assert Config.model_validate({"variants": {"baseline": {}}}).benchmark.short().served_clients == []

@@ -3,13 +3,15 @@ tests against the champion (deterministic numbers stand in for timings, which ar
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tasks.config import SelectConfig
 from tasks.decide.gate import Champion, judge, objective_samples
 from tasks.decide.select import build_leaderboard
 from tasks.measure.benchmark import BatchSpeed, BenchmarkResult
-from tests.unit.test_select import score
+from tests.unit.test_select import score, served
 
 
 def trials(speeds: list[float], rss: float = 500.0, top_batch: float = 100.0) -> list[BenchmarkResult]:
@@ -148,6 +150,13 @@ def test_objective_samples_follow_the_objective():
     assert objective_samples(measured, "latency") == STEADY[:3]
     assert objective_samples(measured, "throughput") == [250.0] * 3
     assert objective_samples(measured, "memory") == [1 / 400.0]
+    with_served = [
+        replace(trial, served=[served(50.0, clients=1), served(160.0 + i)])
+        for i, trial in enumerate(measured)
+    ]
+    assert objective_samples(with_served, "serving") == [160.0]  # one trial (three runs): its 16 clients
+    slo = [replace(trial, served=[served(160.0, goodput=1.25)]) for trial in measured]
+    assert objective_samples(slo, "serving") == [1.25]  # goodput where the SLO was set
 
 
 def test_a_numerically_equal_twin_in_a_faster_engine_is_not_refused_for_accuracy():

@@ -1,7 +1,7 @@
 """The load test's request set: fixed by its seed, varied in prompt length and budget, capped by the server."""
 
-from serving.loadtest import Outcome, request_set, summarize
 from tasks.config import LoadtestConfig
+from tasks.measure.served import Outcome, request_set, summarize
 
 PASSAGES = [" ".join(f"w{d}_{i}" for i in range(300)) for d in range(5)]
 

@@ -7,6 +7,7 @@ import pytest
 from tasks.config import SelectConfig
 from tasks.decide.frontier import pareto_frontier
 from tasks.decide.select import VariantScore, build_leaderboard
+from tasks.measure.served import LevelResult
 
 TOKENS = (100,) * 8
 BASE_NLL = tuple(
@@ -95,23 +96,85 @@ def test_nothing_wins_when_no_variant_meets_the_constraints_and_the_reason_names
     assert all(not row.qualifies for row in board.rows)
 
 
+def served(tok_s: float, ttft_p95_ms: float = 500.0, goodput: float = float("nan"), clients: int = 16):
+    """One served level as the benchmark's served measurement reports it."""
+    return LevelResult(
+        clients,
+        16,
+        0,
+        10.0,
+        1.6,
+        tok_s,
+        200.0,
+        ttft_p95_ms,
+        900.0,
+        1500.0,
+        float("nan"),
+        float("nan"),
+        goodput_rps=goodput,
+    )
+
+
 def scenario_scores() -> list[VariantScore]:
     """Three shapes of variant: fast alone, fast in batches, small."""
     lone = replace(score("lone", 1.0, 50), batch_decode_tok_s=((1, 50.0), (8, 120.0)), peak_rss_mb=900.0)
     batch = replace(score("batch", 1.0, 30), batch_decode_tok_s=((1, 30.0), (8, 300.0)), peak_rss_mb=800.0)
     small = replace(score("small", 1.0, 20), batch_decode_tok_s=((1, 20.0), (8, 100.0)), peak_rss_mb=300.0)
     base = replace(score("baseline", 1.0, 10), batch_decode_tok_s=((1, 10.0), (8, 50.0)), peak_rss_mb=1000.0)
-    return [base, lone, batch, small]
+    # served to 16 clients, prompts arriving while others decode: "server" beats "batch" there
+    server = replace(score("server", 1.0, 25), batch_decode_tok_s=((1, 25.0), (8, 250.0)), peak_rss_mb=850.0)
+    levels = {"lone": 100.0, "batch": 150.0, "small": 60.0, "baseline": 40.0, "server": 200.0}
+    return [
+        replace(s, served=(served(levels[s.variant] / 2, clients=1), served(levels[s.variant])))
+        for s in (base, lone, batch, small, server)
+    ]
 
 
 @pytest.mark.parametrize(
-    ("objective", "winner"), [("latency", "lone"), ("throughput", "batch"), ("memory", "small")]
+    ("objective", "winner"),
+    [("latency", "lone"), ("throughput", "batch"), ("memory", "small"), ("serving", "server")],
 )
 def test_the_same_scores_select_the_winner_each_objective_asks_for(objective, winner):
     board = build_leaderboard(scenario_scores(), SelectConfig(objective=objective))
     assert board.winner == winner and board.row(winner).on_frontier
     assert not board.row("baseline").on_frontier  # dominated by every other variant
-    assert f"best {objective} of 4 qualifying variants" == board.reason
+    assert f"best {objective} of 5 qualifying variants" == board.reason
+
+
+def test_serving_ranks_by_goodput_under_the_slo_where_one_was_set_and_says_so():
+    """Goodput (requests/s within the SLO) decides over raw tok/s: the faster server that misses the TTFT
+    bound for most requests loses to the one that meets it."""
+    base = replace(score("baseline", 1.0, 10), served=(served(40.0, goodput=0.5),))
+    fast = replace(score("fast", 1.0, 30), served=(served(300.0, ttft_p95_ms=4000, goodput=0.4),))
+    steady = replace(score("steady", 1.0, 20), served=(served(200.0, ttft_p95_ms=900, goodput=1.5),))
+    board = build_leaderboard([base, fast, steady], SelectConfig(objective="serving"))
+    assert board.winner == "steady" and board.row("steady").speedup == pytest.approx(3.0)
+    assert (
+        "1.50 req/s within the SLO, 200.0 tok/s served to 16 clients (3.00× baseline)"
+        in board.winner_summary()
+    )
+
+
+def test_serving_columns_show_the_most_clients_and_rows_without_them_cannot_win_on_serving():
+    rows = scenario_scores()
+    unmeasured = replace(rows[2], served=())  # "batch": e.g. a model whose served measurement did not run
+    board = build_leaderboard([*rows[:2], unmeasured, *rows[3:]], SelectConfig(objective="serving"))
+    assert "no served capacity measured (objective: serving)" in board.row("batch").failures
+    assert board.rows[-1].score.variant == "batch"  # ranks below every measured row
+    markdown = board.to_markdown()
+    assert "| c16 tok/s | c16 TTFT p95 |" in markdown and "c16: served to 16 clients" in markdown
+    batch_line = next(line for line in markdown.splitlines() if line.startswith("| batch"))
+    assert batch_line.count("| – ") >= 3  # speedup, served tok/s and TTFT p95: not measured
+    metrics = board.metrics()
+    assert metrics["server"]["served_tok_s_c16"] == 200.0 and metrics["server"]["served_tok_s_c1"] == 100.0
+    assert "served_tok_s_c16" not in metrics["batch"]
+    latency = build_leaderboard([*rows[:2], unmeasured, *rows[3:]], SelectConfig(objective="latency"))
+    assert latency.row("batch").qualifies  # served capacity decides only when it is the objective
+
+
+def test_without_served_measurements_the_table_keeps_its_columns():
+    board = build_leaderboard([replace(s, served=()) for s in scenario_scores()], SelectConfig())
+    assert "c16" not in board.to_markdown() and "c16" not in board.to_csv()
 
 
 def brute_force_frontier(points: dict[str, tuple[float, float, float]]) -> set[str]:
