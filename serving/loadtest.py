@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from serving.scheduler import DEFAULT_STEP_TOKENS
+from serving.models import Limits
 from tasks.config import SloConfig
 from tasks.measure.served import LevelResult, LoadRequest, Outcome, replay, summarize
 
@@ -185,21 +185,13 @@ def search_rate(
     return met, tried
 
 
-def offline_same_mix(
-    runtime: Any,
-    requests: list[LoadRequest],
-    clients: int,
-    max_batch: int,
-    prefill_chunk: int = 0,
-    prefix_reuse: bool = True,
-    step_tokens: int = DEFAULT_STEP_TOKENS,
-) -> float:
+def offline_same_mix(runtime: Any, requests: list[LoadRequest], clients: int, limits: Limits) -> float:
     """Generated tok/s of the same request set run through the same engine and scheduler settings in this
     process (`replay`: no HTTP or client in between; greedy, stopping at the end-of-sequence token as served
     requests do): the ceiling the served figures are read against. Its decoder is warmed before the clock starts
     (the server's was, by the load test's warm-up request: timing that setup made the replay read 183 tok/s where
     the server delivered 240)."""
-    outcomes, wall = replay(runtime, requests, clients, max_batch, prefill_chunk, prefix_reuse, step_tokens)
+    outcomes, wall = replay(runtime, requests, clients, limits)
     return sum(o.tokens for o in outcomes if o.status == 200) / wall
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serving.scheduler import DEFAULT_STEP_TOKENS, Scheduler
+from serving.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, DEFAULT_STEP_TOKENS, Scheduler
 from serving.text import RequestError
 from tasks.config import ServeConfig
 from tasks.engines import Runtime
@@ -32,6 +32,7 @@ class Limits:
     prefill_chunk: int = 0
     prefix_reuse: bool = True
     step_tokens: int = DEFAULT_STEP_TOKENS
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
 
     @classmethod
     def of(cls, settings: ServeConfig) -> Limits:
@@ -41,6 +42,7 @@ class Limits:
             settings.prefill_chunk,
             settings.prefix_reuse,
             settings.step_tokens,
+            settings.prefix_cache_tokens,
         )
 
     def scheduler(self, runtime: Runtime, metrics: Any = None) -> Scheduler:
@@ -53,6 +55,7 @@ class Limits:
             self.prefill_chunk,
             self.prefix_reuse,
             self.step_tokens,
+            self.prefix_cache_tokens,
         )
 
 

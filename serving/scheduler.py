@@ -110,6 +110,7 @@ def choose_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generato
 
 
 DEFAULT_STEP_TOKENS: int = ServeConfig.model_fields["step_tokens"].default  # tasks/config.py says why
+DEFAULT_PREFIX_CACHE_TOKENS: int = ServeConfig.model_fields["prefix_cache_tokens"].default
 
 
 class QueueFull(Exception):
@@ -173,6 +174,7 @@ class Scheduler:
         prefill_chunk: int = 0,
         prefix_reuse: bool = True,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     ) -> None:
         if step_tokens < max_batch:
             raise ValueError(f"step_tokens ({step_tokens}) must be at least max_batch ({max_batch})")
@@ -181,6 +183,7 @@ class Scheduler:
         # tokens per engine call: the running requests' and the prompt slices (see the module's docstring)
         self.step_tokens = step_tokens
         self.prefix_reuse = prefix_reuse  # for decoders that can (see serve.prefix_reuse)
+        self.prefix_cache_tokens = prefix_cache_tokens  # ... from finished requests too (serve.prefix_cache_tokens)
         self.metrics = metrics  # serving.metrics.ServerMetrics, or None (tests of the scheduler alone)
         self.steps = 0  # engine calls so far (prompts run alone + batched steps)
         self.in_flight = 0  # requests submitted and not yet ended (queued, joining or running)
@@ -243,6 +246,7 @@ class Scheduler:
     def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()
         decoder.reuse_prefixes = self.prefix_reuse
+        decoder.retain_tokens = self.prefix_cache_tokens if self.prefix_reuse else 0
         return decoder
 
     def _serve(self, running: dict[int, _Running]) -> None:

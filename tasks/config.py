@@ -402,6 +402,9 @@ class ServeConfig(Strict):
     prefill_chunk: Annotated[int, Field(ge=0, le=8192)] = 0
     # Prefix reuse (llama.cpp, ONNX): a prompt starting like a sequence in the cache takes its K/V for the shared part
     prefix_reuse: bool = True
+    # ... and from finished requests: their keys/values stay in the cache, least recently used out first, up to this
+    # many tokens (llama-server's cache_prompt, vLLM's automatic prefix caching); 0: from running requests only
+    prefix_cache_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 4096
     request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0  # queued + generating, then 504
     # Clients must send `Authorization: Bearer <key>` when this environment variable is set (and not empty).
     api_key_env: str = "LLMOPT_API_KEY"

@@ -239,22 +239,12 @@ def _same_mix(
     from serving.models import Limits, load_version
 
     serve, target = config.serve, config.target
+    limits = Limits.of(serve)
     loaded = load_version(
-        registered, version, target.threads, Limits.of(serve), None, target.device, target.tensor_parallel
+        registered, version, target.threads, limits, None, target.device, target.tensor_parallel
     )
     try:
-        return {
-            count: offline_same_mix(
-                loaded.runtime,
-                batch,
-                count,
-                serve.max_batch,
-                serve.prefill_chunk,
-                serve.prefix_reuse,
-                serve.step_tokens,
-            )
-            for count in clients
-        }
+        return {count: offline_same_mix(loaded.runtime, batch, count, limits) for count in clients}
     finally:
         loaded.scheduler.close()
         getattr(loaded.runtime, "close", lambda: None)()  # a split model's other ranks

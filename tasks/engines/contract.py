@@ -162,6 +162,9 @@ class BatchDecoder(abc.ABC):
     # Whether a newcomer may take the cache of a prompt start another sequence holds (decoders that can; set by
     # the server from serve.prefix_reuse)
     reuse_prefixes: bool = True
+    # How many tokens of finished sequences' caches stay for that reuse (least recently used out first; set by the
+    # server from serve.prefix_cache_tokens; decoders that can). 0: a sequence's cache goes when it leaves
+    retain_tokens: int = 0
     # Whether a running sequence can check several tokens in one call (`verify` + `rewind`): the server's
     # speculative decoding while one request runs
     verifies: bool = False

@@ -7,6 +7,7 @@ lengths step together exactly: llama.cpp's attention mask keeps every sequence t
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 from pathlib import Path
@@ -135,9 +136,11 @@ class LlamaCppRuntime(Runtime):
         return LlamaCppSequence(self.context(capacity, 1))
 
     def batch_decoder(self) -> LlamaCppBatchDecoder:
+        """Room for the held requests (`kv_tokens`) and half as much again for finished sequences kept for prefix
+        reuse (`retain_tokens`)."""
         cells = min(self.context_length * MAX_SEQUENCES, max(self.context_length, 8192))
-        context = _Context(self._model, cells, MAX_SEQUENCES, self._threads)
-        return LlamaCppBatchDecoder(context, self)
+        context = _Context(self._model, cells + cells // 2, MAX_SEQUENCES, self._threads)
+        return LlamaCppBatchDecoder(context, self, cells)
 
 
 class _Context:
@@ -241,15 +244,19 @@ class LlamaCppBatchDecoder(BatchDecoder):
 
     Prefix reuse: a newcomer whose prompt starts like a sequence in the cache (a shared system prompt, a chat
     history) is given that sequence's cells for the shared positions and runs only the rest of its prompt; the
-    same tokens at the same positions have the same keys and values, so the answer does not change."""
+    same tokens at the same positions have the same keys and values, so the answer does not change. With
+    `retain_tokens`, a leaving sequence keeps its cells (and its seq_id) for later newcomers, least recently used
+    out first, in the cells beyond `kv_tokens` (what the server admits requests against)."""
 
     chunked_prefill = True  # prompts' slices and the running sequences' tokens go into one llama_decode
     verifies = True  # several positions of one sequence in one llama_decode, cells removed on rewind
 
-    def __init__(self, context: _Context, runtime: LlamaCppRuntime) -> None:
+    def __init__(self, context: _Context, runtime: LlamaCppRuntime, kv_tokens: int | None = None) -> None:
         self._context, self._runtime = context, runtime  # the runtime owns the model the context uses
-        self.kv_tokens = context.cells
+        self.kv_tokens = context.cells if kv_tokens is None else kv_tokens
         self._context.clear()
+        # finished sequences kept for prefix reuse, least recently used first: llama.cpp seq_id → their tokens
+        self._retained: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
         self._slots: dict[int, int] = {}  # sequence id → llama.cpp seq_id
         self._lengths: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}  # what each sequence's cells hold, position by position
@@ -264,20 +271,27 @@ class LlamaCppBatchDecoder(BatchDecoder):
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
         """A new sequence; with `prompt`, holding already the longest start of it another sequence holds (at
         most all but its last token). (its id, how many of the prompt's tokens it holds)."""
-        free = sorted(set(range(self._context.sequences)) - set(self._slots.values()))
+        free = sorted(set(range(self._context.sequences)) - set(self._slots.values()) - set(self._retained))
+        if not free and self._retained:  # a kept sequence gives its seq_id up (the least recently used)
+            slot, _ = self._retained.popitem(last=False)
+            self._context.forget(slot)
+            free = [slot]
         if not free:
             raise ValueError(f"the decoder already steps {self._context.sequences} sequences")
         shared, source = 0, None
-        for other, held in self._tokens.items() if self.reuse_prefixes else ():
+        held_by = [(self._slots[s], held) for s, held in self._tokens.items()] + list(self._retained.items())
+        for slot, held in held_by if self.reuse_prefixes else ():
             length = common_prefix(held, prompt or [], limit=len(prompt or []) - 1)
             if length > shared:
-                shared, source = length, other
+                shared, source = length, slot
+        if source in self._retained:
+            self._retained.move_to_end(source)  # used: the last to go
         self._next_id += 1
         sequence = self._next_id
         self._slots[sequence], self._lengths[sequence], self._tokens[sequence] = free[0], 0, []
         self._filling.add(sequence)  # not stepped until its prompt is in (`add`, or a `last` chunk)
         if source is not None:
-            self._context.share(self._slots[source], free[0], shared)
+            self._context.share(source, free[0], shared)
             self._lengths[sequence], self._tokens[sequence] = shared, list(prompt[:shared])
             self.reused_tokens += shared
         return sequence, shared
@@ -345,9 +359,23 @@ class LlamaCppBatchDecoder(BatchDecoder):
             del self._tokens[sequence][length:]
 
     def remove(self, sequence: int) -> None:
-        self._context.forget(self._slots.pop(sequence))
-        del self._lengths[sequence], self._tokens[sequence]
-        self._filling.discard(sequence)
+        slot, tokens = self._slots.pop(sequence), self._tokens.pop(sequence)
+        del self._lengths[sequence]
+        room = min(self.retain_tokens, self._context.cells - self.kv_tokens)
+        if sequence in self._filling or not self.reuse_prefixes or not 1 < len(tokens) <= room:
+            self._filling.discard(sequence)
+            self._context.forget(slot)
+            return
+        for kept, held in list(self._retained.items()):
+            if len(held) <= len(tokens) and tokens[: len(held)] == held:
+                del self._retained[kept]  # the leaving one holds all it held, and more
+                self._context.forget(kept)
+        self._retained[slot] = tokens
+        total = sum(len(held) for held in self._retained.values())
+        while total > room:
+            kept, held = self._retained.popitem(last=False)
+            self._context.forget(kept)
+            total -= len(held)
 
 
 def _room_for(tokens: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ class OrtBatchDecoder(BatchDecoder):
 
     Prefix reuse: a newcomer whose prompt starts like a running sequence's tokens gets a copy of that row's keys
     and values for the shared positions and runs only the rest of its prompt (the same tokens at the same
-    positions). Prompts join in slices (`step_with_prefills`): the graph takes one new-token count per call, so a
+    positions). With `retain_tokens`, a leaving row's keys and values are kept (a copy, least recently used out
+    first) and serve later newcomers the same way. Prompts join in slices (`step_with_prefills`): the graph takes one new-token count per call, so a
     joining prompt's slice cannot share the running rows' call as in llama.cpp; each slice gets its own call right
     after theirs, which bounds what a running stream waits per token just the same."""
 
@@ -150,6 +152,11 @@ class OrtBatchDecoder(BatchDecoder):
         self._next_id = 0
         self._tokens: list[list[int]] = []  # what each row's cache holds, position by position
         self._partial: dict[int, tuple[list[int], list[np.ndarray]]] = {}  # opened: (tokens in, their K/V)
+        # finished sequences kept for prefix reuse, least recently used first: (tokens, per cache input its K/V
+        # [kv_heads, tokens, head_size]); at most `retain_tokens` tokens in all
+        self._retained: collections.OrderedDict[int, tuple[list[int], list[np.ndarray]]] = (
+            collections.OrderedDict()
+        )
         self.reused_tokens = 0  # prompt tokens copied from another row's cache instead of computed
 
     @property
@@ -191,18 +198,43 @@ class OrtBatchDecoder(BatchDecoder):
         return stepped, filled
 
     def _shared_start(self, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
-        """The longest start of `prompt` (all but its last token at most) a row holds, with a copy of its K/V."""
-        shared, source = 0, None
+        """The longest start of `prompt` (all but its last token at most) a row or a retained finished sequence
+        holds, with a copy of its K/V."""
+        shared, source, kept = 0, None, None
         for row, held in enumerate(self._tokens) if self.reuse_prefixes else ():
             length = common_prefix(held, prompt, limit=len(prompt) - 1)
             if length > shared:
                 shared, source = length, row
-        if source is None:
+        for key, (held, _) in self._retained.items() if self.reuse_prefixes else ():
+            length = common_prefix(held, prompt, limit=len(prompt) - 1)
+            if length > shared:
+                shared, kept = length, key
+        if source is None and kept is None:
             empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
             return [], [empty for _ in self._past]
         self.reused_tokens += shared
-        cache = [np.ascontiguousarray(kv[source : source + 1, :, :shared]) for kv in self._cache]
+        if kept is not None:
+            self._retained.move_to_end(kept)  # used: the last to go
+            cache = [np.ascontiguousarray(kv[None, :, :shared]) for kv in self._retained[kept][1]]
+        else:
+            cache = [np.ascontiguousarray(kv[source : source + 1, :, :shared]) for kv in self._cache]
         return list(prompt[:shared]), cache
+
+    def _retain(self, row: int) -> None:
+        """Keep a copy of a leaving row's keys and values for later prompts that start like it; the least
+        recently used go first beyond `retain_tokens` (and one that starts another kept one replaces it)."""
+        tokens, held = self._tokens[row], int(self._lengths[row])
+        if not self.reuse_prefixes or not 1 < held <= self.retain_tokens:
+            return
+        for key, (kept, _) in list(self._retained.items()):
+            if len(kept) <= held and tokens[: len(kept)] == kept:
+                del self._retained[key]  # this one holds all it held, and more
+        self._next_id += 1
+        self._retained[self._next_id] = (tokens[:held], [store[row, :, :held].copy() for store in self._store])
+        total = sum(len(kept) for kept, _ in self._retained.values())
+        while total > self.retain_tokens:
+            _, (kept, _) = self._retained.popitem(last=False)
+            total -= len(kept)
 
     def _extend(self, sequence: int, chunk: list[int]) -> Any:
         """Run `chunk` after what the opened `sequence` holds, in its own call; the logits after its last token."""
@@ -273,6 +305,7 @@ class OrtBatchDecoder(BatchDecoder):
         if self._partial.pop(sequence, None) is not None:
             return
         row, last = self._ids.index(sequence), len(self._ids) - 1
+        self._retain(row)
         if row != last:
             held = int(self._lengths[last])
             for store in self._store:

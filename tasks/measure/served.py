@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from serving.scheduler import DEFAULT_STEP_TOKENS, GenerationRequest, Sampling, Scheduler
+from serving.models import Limits
+from serving.scheduler import GenerationRequest, Sampling
 from tasks.config import Config, LoadtestConfig, SloConfig
 
 
@@ -149,56 +150,42 @@ def summarize(
 
 @dataclass(frozen=True)
 class ServedPlan:
-    """What the benchmark replays to measure served capacity: the request mix and the server's batching
-    settings, and the SLO its goodput is counted against."""
+    """What the benchmark replays to measure served capacity: the request mix, the server's scheduler settings,
+    and the SLO its goodput is counted against."""
 
     requests: tuple[LoadRequest, ...]
-    max_batch: int
-    step_tokens: int
-    prefill_chunk: int
-    prefix_reuse: bool
+    limits: Limits
     slo: SloConfig | None = None
 
 
 def served_plan(config: Config, passages: list[str]) -> ServedPlan | None:
     """The benchmark's served measurement for this configuration: the load test's request mix (its seed, prompt
-    lengths and budgets; `benchmark.served_requests` of them) and `serve`'s batching; None when
+    lengths and budgets; `benchmark.served_requests` of them) and `serve`'s scheduler settings; None when
     `benchmark.served_clients` is empty."""
     if not config.benchmark.served_clients:
         return None
     mix = config.loadtest.model_copy(update={"requests_per_level": config.benchmark.served_requests})
-    serve = config.serve
-    return ServedPlan(
-        tuple(request_set(passages, mix, serve.max_new_tokens)),
-        serve.max_batch,
-        serve.step_tokens,
-        serve.prefill_chunk,
-        serve.prefix_reuse,
-        config.slo,
-    )
+    requests = request_set(passages, mix, config.serve.max_new_tokens)
+    return ServedPlan(tuple(requests), Limits.of(config.serve), config.slo)
 
 
 def replay(
     runtime: Any,
     requests: list[LoadRequest] | tuple[LoadRequest, ...],
     clients: int,
-    max_batch: int,
-    prefill_chunk: int = 0,
-    prefix_reuse: bool = True,
-    step_tokens: int = DEFAULT_STEP_TOKENS,
+    limits: Limits,
     stop_at_eos: bool = True,
 ) -> tuple[list[Outcome], float]:
-    """The requests through a fresh scheduler of `runtime` in this process, `clients` in flight at once (each
-    sends its next as one ends), greedy: (each request's outcome, timed from its submission, and the wall time).
-    No HTTP or client in between, so a server cannot beat it. Fresh, so no prefix of an earlier replay is in its
-    cache; its decoder is made and warmed by one short request before the clock starts. `stop_at_eos` off: every
-    request runs to its budget (the same work for every variant)."""
+    """The requests through a fresh scheduler of `runtime` with `limits` in this process, `clients` in flight at
+    once (each sends its next as one ends), greedy: (each request's outcome, timed from its submission, and the
+    wall time). No HTTP or client in between, so a server cannot beat it. Fresh, so nothing of an earlier replay is
+    in its cache; its decoder is made and warmed before the clock starts by one short request that shares no start
+    with the mix (the first prompt's tokens reversed). `stop_at_eos` off: every request runs to its budget (the
+    same work for every variant)."""
     eos = runtime.eos_token_id
     stops = frozenset() if eos is None or not stop_at_eos else frozenset({eos})
     prompts = [runtime.encode(request.prompt) for request in requests]
-    scheduler = Scheduler(
-        runtime, max_batch, max(len(requests), 1), None, prefill_chunk, prefix_reuse, step_tokens
-    )
+    scheduler = replace(limits, max_queue=max(len(requests), 1)).scheduler(runtime)
     lock, pending = threading.Lock(), list(range(len(requests)))
     outcomes: list[Outcome] = []
     finished = threading.Semaphore(0)
@@ -231,8 +218,9 @@ def replay(
 
     warmed = threading.Event()
     try:
+        warm_up = prompts[0][::-1][:16] or prompts[0]
         scheduler.submit(
-            GenerationRequest(prompts[0], 1, Sampling(), lambda e: e[0] in ("done", "error") and warmed.set())
+            GenerationRequest(warm_up, 1, Sampling(), lambda e: e[0] in ("done", "error") and warmed.set())
         )
         warmed.wait()
         started = time.perf_counter()
@@ -251,15 +239,6 @@ def served_capacity(runtime: Any, plan: ServedPlan, clients: list[int]) -> list[
     test summarizes a level (goodput against the plan's SLO)."""
     levels = []
     for count in clients:
-        outcomes, wall = replay(
-            runtime,
-            plan.requests,
-            count,
-            plan.max_batch,
-            plan.prefill_chunk,
-            plan.prefix_reuse,
-            plan.step_tokens,
-            stop_at_eos=False,
-        )
+        outcomes, wall = replay(runtime, plan.requests, count, plan.limits, stop_at_eos=False)
         levels.append(summarize(count, outcomes, wall, slo=plan.slo))
     return levels

@@ -76,6 +76,7 @@ def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
             "step_tokens": 256,
             "prefill_chunk": 0,
             "prefix_reuse": True,
+            "prefix_cache_tokens": 4096,
             "max_new_tokens": 256,
         },
         "slo": None,

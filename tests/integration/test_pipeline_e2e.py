@@ -287,7 +287,7 @@ def test_the_serving_objective_duels_on_served_capacity_and_shows_it_on_the_lead
     (root / "serving.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     gated = run(root, "llmopt", "promote", baseline_version, "-p", "serving.yaml", check=False)
     assert gated.returncode == 1 and "baseline refused: serving ×" in gated.stderr, gated.stderr[-3000:]
-    board = (root / ".llmopt/reports/leaderboard.md").read_text()
+    board = (root / ".llmopt/promote/leaderboard.md").read_text()  # `llmopt promote` reports there
     header = board.splitlines()[0]
     assert "c3 tok/s" in header and "c3 TTFT p95" in header
     rows = [line for line in board.splitlines()[2:] if line.startswith("| ")]

@@ -148,6 +148,7 @@ def test_served_capacity_runs_every_request_to_its_budget_through_the_scheduler_
     """Each client count replays the whole mix through the real scheduler; every request runs to its budget
     (no early end-of-sequence: the same work for every variant), every one has a first token; the serving
     decoder's memory is reported apart from the batch-1 peak."""
+    from serving.models import Limits
     from tasks.config import SloConfig
     from tasks.measure.served import LoadRequest, ServedPlan
 
@@ -168,7 +169,7 @@ def test_served_capacity_runs_every_request_to_its_budget_through_the_scheduler_
         "letters",
     ]
     requests = tuple(LoadRequest(" ".join(words[: 3 + i]), 3 + i % 4) for i in range(6))
-    plan = ServedPlan(requests, max_batch=4, step_tokens=16, prefill_chunk=0, prefix_reuse=True)
+    plan = ServedPlan(requests, Limits(max_batch=4, max_queue=4, step_tokens=16))
     cfg = BenchmarkConfig(
         prompt_tokens=8,
         new_tokens=4,

@@ -147,10 +147,11 @@ def test_several_long_prompts_arriving_together_are_fed_in_turn_and_answer_as_al
 
 def test_the_offline_same_mix_ceiling_runs_every_request_through_the_scheduler(llama):
     from serving.loadtest import LoadRequest, offline_same_mix
+    from serving.models import Limits
 
     requests = [LoadRequest(RUNNING, 6), LoadRequest(ARRIVING, 4), LoadRequest("A bridge", 5)]
-    assert offline_same_mix(llama, requests, clients=8, max_batch=2, prefill_chunk=8) > 0
-    assert offline_same_mix(llama, requests, clients=1, max_batch=2) > 0
+    assert offline_same_mix(llama, requests, 8, Limits(max_batch=2, max_queue=4, prefill_chunk=8)) > 0
+    assert offline_same_mix(llama, requests, 1, Limits(max_batch=2, max_queue=4)) > 0
 
 
 def rows_and_fills(decoder, steps: list[tuple[int, list[int]]]) -> None:
@@ -267,3 +268,69 @@ def test_a_full_kv_cache_makes_requests_wait_and_a_cancelled_one_frees_its_room(
     answers, steps, _ = serve_gated(llama, requests, kv_tokens=430, cancel_first_at=3, max_batch=4)
     assert len(answers[0]) == 3 and answers[1] == llama.generate([prompts[1]], 8, stop_at_eos=False)[0]
     assert max(rows + len(fills) for rows, fills in steps) == 1, steps
+
+
+def serve_in_turn(runtime, requests: list[tuple[list[int], int]], **limits) -> tuple[list[list[int]], list]:
+    """Each request after the previous one has finished; (their tokens, the decoders the scheduler made)."""
+    decoders, make_decoder = [], runtime.batch_decoder
+
+    def recorded():
+        decoders.append(make_decoder())
+        return decoders[-1]
+
+    runtime.batch_decoder = recorded
+    answers = []
+    try:
+        scheduler = Scheduler(runtime, max_batch=4, max_queue=4, **limits)
+        for prompt, budget in requests:
+            tokens, done = [], threading.Event()
+
+            def on_event(event, tokens=tokens, done=done):
+                if event[0] == "token":
+                    tokens.append(event[1][0])
+                elif event[0] in ("done", "error"):
+                    assert event[0] == "done", event
+                    done.set()
+
+            scheduler.submit(GenerationRequest(prompt, budget, Sampling(), on_event))
+            assert done.wait(60)
+            answers.append(tokens)
+        scheduler.close()
+    finally:
+        del runtime.batch_decoder
+    return answers, decoders
+
+
+def test_a_finished_requests_cache_serves_a_later_prompt_that_starts_like_it(llama):
+    """serve.prefix_cache_tokens: the first request has ended when the second arrives; its keys and values stayed
+    in the cache, so the second computes only what follows the shared start, and answers as alone."""
+    from tasks.engines.contract import common_prefix
+
+    first = llama.encode(RUNNING)
+    second = first + llama.encode(" Then the train finds the quiet forest.")
+    (answer, later), decoders = serve_in_turn(llama, [(first, 6), (second, 6)])
+    assert later == llama.generate([second], 6, stop_at_eos=False)[0]
+    held = first + answer[:-1]  # the last token chosen is never fed
+    assert decoders[0].reused_tokens == common_prefix(held, second, limit=len(second) - 1) >= len(first)
+    (_, again), decoders = serve_in_turn(llama, [(first, 6), (second, 6)], prefix_cache_tokens=0)
+    assert again == later and decoders[0].reused_tokens == 0  # off: only running requests share
+
+
+def test_the_finished_sequences_kept_are_the_most_recently_used_within_the_budget(llama):
+    a = llama.encode(RUNNING)
+    b = llama.encode(" ".join(["Winter letters reach the village music hall."] * 3))
+    tail = llama.encode(" Then the train finds the quiet forest.")
+    decoder = llama.batch_decoder()
+    decoder.retain_tokens = max(len(a), len(b)) + 2  # room for one of them
+    for prompt in (a, b):
+        sequence, _ = decoder.add(prompt)
+        decoder.remove(sequence)
+    newest, held_b = decoder.open(b + tail)
+    oldest, held_a = decoder.open(a + tail)
+    assert held_b == len(b) and held_a < len(a)  # b pushed a out (a may share a first token with b)
+    decoder.remove(newest)
+    decoder.remove(oldest)
+    decoder.retain_tokens = 0
+    sequence, _ = decoder.add(a)
+    decoder.remove(sequence)
+    assert decoder.open(a + tail)[1] < len(a)  # nothing kept with no budget
