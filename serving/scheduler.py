@@ -183,7 +183,7 @@ class Scheduler:
         # tokens per engine call: the running requests' and the prompt slices (see the module's docstring)
         self.step_tokens = step_tokens
         self.prefix_reuse = prefix_reuse  # for decoders that can (see serve.prefix_reuse)
-        self.prefix_cache_tokens = prefix_cache_tokens  # ... from finished requests too (serve.prefix_cache_tokens)
+        self.prefix_cache_tokens = prefix_cache_tokens  # ... and finished ones (serve.prefix_cache_tokens)
         self.metrics = metrics  # serving.metrics.ServerMetrics, or None (tests of the scheduler alone)
         self.steps = 0  # engine calls so far (prompts run alone + batched steps)
         self.in_flight = 0  # requests submitted and not yet ended (queued, joining or running)

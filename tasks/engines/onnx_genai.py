@@ -230,7 +230,10 @@ class OrtBatchDecoder(BatchDecoder):
             if len(kept) <= held and tokens[: len(kept)] == kept:
                 del self._retained[key]  # this one holds all it held, and more
         self._next_id += 1
-        self._retained[self._next_id] = (tokens[:held], [store[row, :, :held].copy() for store in self._store])
+        self._retained[self._next_id] = (
+            tokens[:held],
+            [store[row, :, :held].copy() for store in self._store],
+        )
         total = sum(len(kept) for kept, _ in self._retained.values())
         while total > self.retain_tokens:
             _, (kept, _) = self._retained.popitem(last=False)
