@@ -25,7 +25,7 @@ from flows.stages import (
 )
 from tasks.config import Config
 from tasks.decide.gate import Champion, Verdict, judge
-from tasks.decide.history import move_production, record_refusal
+from tasks.decide.history import move_production, record_refusal, recover_unfinished_move
 from tasks.decide.registry import (
     CANDIDATE,
     PRODUCTION,
@@ -109,6 +109,8 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     with parent_run(experiment_id, config, lineage, fingerprint) as run:
+        if note := recover_unfinished_move(config.project.name, f"run {run.run_id}"):
+            get_run_logger().warning(note)
         production = production_version(config.project.name)
         registered = {version_label(PRODUCTION, production.version): production} if production else {}
         measured = measure_variants(config, root, base, data, 1, fingerprint, registered, clock)

@@ -66,14 +66,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
         if not torch.cuda.is_available():
             for item in cuda_tests:
-                item.add_marker(pytest.mark.skip(reason=f"cuda: {SKIPS_ALLOWED['cuda']}, none is visible"))
+                item.add_marker(pytest.mark.skip(reason=_allowed_reason("cuda")))
+
+
+def _allowed_reason(marker: str) -> str:
+    """The one reason a test marked `marker` may skip for (see pytest_collection_modifyitems)."""
+    return f"{marker}: {SKIPS_ALLOWED[marker]}, none is visible"
+
+
+def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    allowed = SKIPS_ALLOWED.keys() & set(report.keywords)
-    if report.skipped and not hasattr(report, "wasxfail") and not allowed:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    """A skip counts as allowed only with its marker's own reason: a `cuda` test skipping for anything but a
+    missing GPU (a failed import, a broken driver) fails the run like any other skip."""
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _reason(report)
+    if not any(marker in report.keywords and _allowed_reason(marker) in reason for marker in SKIPS_ALLOWED):
         _unexpected_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module skipped while it is collected (a module-level `pytest.importorskip`) hides all its tests: it fails
+    the run too."""
+    if report.skipped:
+        _unexpected_skips.append(f"{report.nodeid} (collection): {_reason(report)}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

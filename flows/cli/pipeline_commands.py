@@ -133,9 +133,15 @@ def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = Fal
 
 
 def _configure_tracking(config: Config, root: Path) -> None:
+    """Point MLflow at the project's store, and finish or undo a production move a killed process left half done
+    (saying which) before this command reads or moves production."""
+    from tasks.decide.history import recover_unfinished_move
     from tasks.report.tracking import configure_tracking
 
     configure_tracking(config.tracking, root)
+    note = recover_unfinished_move(config.project.name, "llmopt recovery")
+    if note:
+        console.print(note)
 
 
 def _current_production(config: Config, root: Path, version: str) -> str | None:

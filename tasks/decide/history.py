@@ -8,7 +8,13 @@ MLflow keeps no history of alias moves and has no compare-and-set for aliases. S
   lost race is recorded;
 - every decision (moved or not) is one registered-model tag `llmopt.history.<ns>-<random>` holding a JSON record,
   a unique key per record: concurrent writers never overwrite each other, and the MLflow UI shows the tags on the
-  model's page.
+  model's page;
+- a move is a recoverable transaction: its intent (the record to be, and the version tags as they were) is written
+  first as the model's `llmopt.production_intent` tag, then the version's tags, the alias and the history record,
+  and the intent is deleted last. A process killed in between leaves the intent behind; the next move, rollback,
+  history or run (`recover_unfinished_move`, under the lock) completes it where the alias had already moved (the
+  record is written) or rolls it back where it had not (the version's tags restored, the refusal recorded), and
+  says which.
 """
 
 from __future__ import annotations
@@ -26,10 +32,13 @@ from typing import Any
 
 from tasks.decide.registry import PRODUCTION, current_version
 from tasks.errors import RegistryError
+from tasks.failpoints import failpoint
 
 HISTORY_PREFIX = "llmopt.history."
 LOCK_SUFFIX = ".llmopt-lock"
 LOCK_TIMEOUT_S = 120.0
+INTENT_TAG = "llmopt.production_intent"
+MOVE_TAGS = ("llmopt.gate", "llmopt.previous_production")  # what a move writes on the version it moves to
 MAX_REASON = 2000  # registry tag values are limited (5000 characters)
 
 
@@ -88,6 +97,7 @@ def move_production(
 
     client = MlflowClient()
     with registry_lock(model_name, actor):
+        _recover(client, model_name)
         current = current_version(model_name, PRODUCTION)
         if current == to_version == expected_from:
             return True  # already there: nothing to move, nothing to record
@@ -97,12 +107,67 @@ def move_production(
                 model_name, Move(_now(), actor, "lost-race", current, to_version, False, f"{lost}. {reason}")
             )
             return False
+        move = Move(_now(), actor, kind, current, to_version, True, reason)
+        before = client.get_model_version(model_name, to_version).tags
+        intent = {"move": asdict(move), "tags": {key: before.get(key) for key in MOVE_TAGS}}
+        client.set_registered_model_tag(model_name, INTENT_TAG, json.dumps(intent)[:4900])
+        failpoint("promote-intent")
         client.set_model_version_tag(model_name, to_version, "llmopt.gate", gate_tag[:MAX_REASON])
         if current is not None and current != to_version:
             client.set_model_version_tag(model_name, to_version, "llmopt.previous_production", current)
+        failpoint("promote-tags")
         client.set_registered_model_alias(model_name, PRODUCTION, to_version)
-        record(model_name, Move(_now(), actor, kind, current, to_version, True, reason))
+        failpoint("promote-alias")
+        record(model_name, move)
+        failpoint("promote-recorded")
+        client.delete_registered_model_tag(model_name, INTENT_TAG)
     return True
+
+
+def recover_unfinished_move(model_name: str, actor: str) -> str | None:
+    """Finish or undo a production move a killed process left half done (see the module docstring); what was
+    done, in words, or None when nothing was unfinished (or the model is not registered yet)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient()
+    try:
+        if INTENT_TAG not in client.get_registered_model(model_name).tags:
+            return None
+    except MlflowException:
+        return None
+    with registry_lock(model_name, actor):
+        return _recover(client, model_name)
+
+
+def _recover(client: Any, model_name: str) -> str | None:
+    """`recover_unfinished_move` under the lock already held."""
+    text = client.get_registered_model(model_name).tags.get(INTENT_TAG)
+    if text is None:
+        return None
+    intent = json.loads(text)
+    move = Move(**intent["move"])
+    to = _v(move.to_version)
+    if current_version(model_name, PRODUCTION) == move.to_version:
+        recorded = any(m.time == move.time and m.to_version == move.to_version for m in history(model_name))
+        if not recorded:
+            record(model_name, move)
+        client.delete_registered_model_tag(model_name, INTENT_TAG)
+        done = f"completed an interrupted move of production to {to} (the alias had moved"
+        return done + ("; its history record is written now)" if not recorded else ")")
+    for key, value in intent["tags"].items():  # the version's tags as they were before the move began
+        if value is None:
+            with contextlib.suppress(Exception):
+                client.delete_model_version_tag(model_name, move.to_version, key)
+        else:
+            client.set_model_version_tag(model_name, move.to_version, key, value)
+    undone = f"rolled back an interrupted move of production to {to} (the alias had not moved; it stays on "
+    undone += f"{_v(current_version(model_name, PRODUCTION))})"
+    record(
+        model_name, Move(_now(), "recovery", "interrupted", move.from_version, move.to_version, False, undone)
+    )
+    client.delete_registered_model_tag(model_name, INTENT_TAG)
+    return undone
 
 
 def rollback_target(model_name: str) -> tuple[str, str]:

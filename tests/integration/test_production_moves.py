@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from tasks.errors import RegistryError
 from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 
 MODEL = "moves"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -121,3 +123,62 @@ def test_moving_production_where_it_already_is_records_nothing_and_keeps_rollbac
     move_production(MODEL, "2", "1", "run b", "gate", "faster", "passed")
     assert move_production(MODEL, "2", "2", "llmopt promote --force", "forced", "again", "forced: again")
     assert len(history(MODEL)) == 2 and rollback_target(MODEL) == ("2", "1")
+
+
+MOVE_IN_A_CHILD = """
+import sys, mlflow
+from tasks.decide.history import move_production
+mlflow.set_tracking_uri(sys.argv[1]); mlflow.set_registry_uri(sys.argv[1])
+move_production("moves", "2", "1", "llmopt promote", "forced", "a faster build", "forced: a faster build")
+"""
+
+
+@pytest.mark.parametrize(
+    ("point", "moved"),
+    [("promote-intent", False), ("promote-tags", False), ("promote-alias", True), ("promote-recorded", True)],
+)
+def test_a_promotion_killed_at_each_step_is_completed_or_rolled_back_by_the_next_command(
+    registry, tmp_path, point, moved
+):
+    """SIGKILL between the steps of a move (intent, version tags, alias, history record): the next command finds
+    the intent and completes the move where the alias had moved (one history record, written once) or rolls it back
+    where it had not (the version's tags restored, the interruption recorded), and says which."""
+    import mlflow
+
+    from tasks.decide.history import INTENT_TAG, recover_unfinished_move
+
+    move_production(MODEL, "1", None, "setup", "gate", "first promotion", "passed: first")
+    registry.set_model_version_tag(MODEL, "2", "llmopt.gate", "refused: an older verdict")
+    child = subprocess.run(
+        [sys.executable, "-c", MOVE_IN_A_CHILD, mlflow.get_registry_uri()],
+        env={"LLMOPT_FAILPOINT": point, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == -9, child.stderr[-2000:]  # killed at the fail point
+    assert INTENT_TAG in registry.get_registered_model(MODEL).tags  # the half-done move is visible
+
+    note = recover_unfinished_move(MODEL, "the next command")
+    tags = registry.get_model_version(MODEL, "2").tags
+    assert INTENT_TAG not in registry.get_registered_model(MODEL).tags
+    moves = history(MODEL)
+    if moved:
+        assert note.startswith("completed an interrupted move of production to v2")
+        assert current_version(MODEL, PRODUCTION) == "2" and tags["llmopt.gate"] == "forced: a faster build"
+        assert [(m.kind, m.to_version, m.moved) for m in moves] == [
+            ("gate", "1", True),
+            ("forced", "2", True),
+        ]
+        assert rollback_target(MODEL) == ("2", "1")
+    else:
+        assert note.startswith("rolled back an interrupted move of production to v2")
+        assert current_version(MODEL, PRODUCTION) == "1"
+        assert tags["llmopt.gate"] == "refused: an older verdict" and "llmopt.previous_production" not in tags
+        assert [(m.kind, m.to_version, m.moved) for m in moves] == [
+            ("gate", "1", True),
+            ("interrupted", "2", False),
+        ]
+    assert recover_unfinished_move(MODEL, "a later command") is None  # nothing left to do
+    assert move_production(MODEL, "3", current_version(MODEL, PRODUCTION), "next", "gate", "faster", "passed")
