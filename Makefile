@@ -11,7 +11,7 @@ LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: help run test test-fast docs gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro llama-server serve loadtest ui schedule services-down clean
+.PHONY: abuse help run test test-fast docs gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro llama-server serve loadtest ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -89,6 +89,9 @@ serve: install ## serve the production model (models:/<name>@production)
 
 loadtest: install ## drive the running server (make serve) at concurrency 1/4/16; results to MLflow beside the version
 	llmopt loadtest
+
+abuse: install ## flood the running server (make serve) with 64 abusive clients; a normal stream must stay within 2x
+	python infra/abuse.py
 
 ui: install ## MLflow UI on the default store (open the link the last `llmopt run` printed)
 	mlflow ui --backend-store-uri sqlite:///mlflow.db --port 5000

@@ -47,7 +47,12 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
 
     app = FastAPI(title="llmopt server", version="0.2.0", lifespan=lifespan)
     app.state.server = ServerState(router, settings, metrics, os.environ.get(settings.api_key_env) or None)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_kb * 1024)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_kb * 1024,
+        timeout_s=settings.body_timeout_s,
+        bytes_per_s=settings.body_mb_per_s * 1e6,
+    )
     app.add_middleware(RequestMetrics, metrics=metrics)
     _add_error_handlers(app)
     for routes in (_operations, openai.router, tgi.router):
@@ -127,7 +132,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kinds = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
+        kinds = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "too_large"}
         kind = kinds.get(exc.status_code, "invalid_request_error")
         return _error(exc.status_code, str(exc.detail), kind, path=request.url.path)
 
@@ -151,10 +156,23 @@ def validation_message(errors: Any) -> str:
 
 
 class BodyLimit:
-    """Refuses request bodies over `max_bytes` with 413, whether or not they declare their length."""
+    """Refuses request bodies over `max_bytes` with 413, whether or not they declare their length, and bodies
+    still incomplete `timeout_s` after they began with 408; reads what bodies carry beyond their first
+    `FREE_BYTES` at `bytes_per_s` at most, all requests together, first come first served (0: no limit)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    FREE_BYTES = 64 * 1024
+
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float = 30.0, bytes_per_s: float = 0.0) -> None:
+        self.app, self.max_bytes, self.timeout_s, self.bytes_per_s = app, max_bytes, timeout_s, bytes_per_s
+        self._next_free = 0.0  # when the shared read allowance is next available (time.monotonic)
+
+    async def _paced(self, size: int) -> None:
+        """Wait for `size` bytes of the shared allowance (reserved in arrival order)."""
+        now = time.monotonic()
+        start = max(now, self._next_free)
+        self._next_free = start + size / self.bytes_per_s
+        if start > now:
+            await asyncio.sleep(start - now)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -167,12 +185,21 @@ class BodyLimit:
                 "too_large",
                 path=scope["path"],
             )(scope, receive, send)
-        seen = 0
+        seen, deadline = 0, None
 
         async def counted() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
+            nonlocal seen, deadline
+            deadline = deadline or time.monotonic() + self.timeout_s
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                raise StarletteHTTPException(
+                    408, f"request body not complete within {self.timeout_s:g} s (serve.body_timeout_s)"
+                ) from None
+            size = len(message.get("body", b""))
+            if self.bytes_per_s and seen + size > self.FREE_BYTES:
+                await self._paced(min(size, seen + size - self.FREE_BYTES))
+            seen += size
             if (
                 seen > self.max_bytes
             ):  # FastAPI passes HTTPException through its body parsing (others become 400)
@@ -264,6 +291,28 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
     # then raises the signal again under the handler it found: a drained stop is a clean exit (status 0), not a
     # death by SIGTERM's default action (143)
     signal.signal(signal.SIGTERM, lambda *_: None)
+    if not _loopback(host) and not os.environ.get(settings.api_key_env):
+        log.warning(
+            f"serving on {host}, reachable from other machines, with no API key: anyone who can connect may use "
+            f"it (set ${settings.api_key_env} to require one)"
+        )
     uvicorn.run(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=settings.request_timeout_s
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        timeout_graceful_shutdown=settings.request_timeout_s,
+        limit_concurrency=settings.max_connections,
     )
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

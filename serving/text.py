@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 from tasks.errors import LlmoptError
@@ -86,3 +87,40 @@ def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # the template's own checks (e.g. roles must alternate) are the client's error
         raise RequestError(400, f"messages do not fit the model's chat template: {exc}") from None
+
+
+INLINE_CHARS = 4096  # prompts this long at most are tokenized on the event loop (under a millisecond)
+_LONGEST: dict[int, tuple[Any, int]] = {}  # id(tokenizer) → (the tokenizer, its longest entry)
+# Longer prompts are tokenized here, one at a time: however many arrive, they take one core from the engine at most
+_LONG_PROMPTS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmopt-tokenize")
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: the longest vocabulary entry (byte-level BPE spells
+    each byte as one character, SentencePiece each character as itself, added tokens are their own text)."""
+    known = _LONGEST.get(id(tokenizer))
+    if known is None or known[0] is not tokenizer:
+        known = (tokenizer, max([len(entry) for entry in tokenizer.get_vocab()] + [1]))
+        _LONGEST[id(tokenizer)] = known
+    return known[1]
+
+
+async def encode_prompt(runtime: Any, text: str, max_tokens: int) -> list[int]:
+    """A prompt's token ids without holding up the event loop (so other requests' streams go on): a text that
+    cannot fit the context with `max_tokens` however it tokenizes (each token covers at most
+    `longest_token_chars` characters) is refused unread; a long one is tokenized on a worker thread (the
+    tokenizer releases the GIL), one such prompt at a time."""
+    import asyncio
+
+    context = runtime.context_length
+    at_least = -(-len(text) // longest_token_chars(runtime.tokenizer))
+    if at_least + max_tokens > context:
+        raise RequestError(
+            400,
+            f"prompt (at least {at_least} tokens: {len(text)} characters) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {context} tokens",
+            "context_length_exceeded",
+        )
+    if len(text) <= INLINE_CHARS:
+        return runtime.encode(text)
+    return await asyncio.get_running_loop().run_in_executor(_LONG_PROMPTS, runtime.encode, text)

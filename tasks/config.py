@@ -409,6 +409,14 @@ class ServeConfig(Strict):
     # Clients must send `Authorization: Bearer <key>` when this environment variable is set (and not empty).
     api_key_env: str = "LLMOPT_API_KEY"
     max_body_kb: Annotated[int, Field(ge=1, le=102_400)] = 1024  # larger request bodies get 413
+    # A request body not complete this long after it began gets 408 and its connection closed (a client trickling
+    # its body holds nothing for long)
+    body_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    # Request bodies beyond their first 64 KB are read at this rate at most, all requests together: large prompts
+    # queue (TCP holds their senders back) instead of taking the event loop that streams every answer; 0: no limit
+    body_mb_per_s: Annotated[float, Field(ge=0, le=100_000)] = 8.0
+    # Open connections at most (uvicorn's limit_concurrency: more get 503); far above what honest clients hold
+    max_connections: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
 
     @model_validator(mode="after")
     def _budget_holds_a_step(self) -> ServeConfig:

@@ -18,7 +18,7 @@ from serving.api.common import require_api_key, sse, start_generation, state_of
 from serving.api.openai_protocol import ChatRequest, CompletionRequest, OpenAISampling
 from serving.generation import Finish, Generation, Piece, PromptScores
 from serving.models import ServedModel
-from serving.text import RequestError, chat_prompt
+from serving.text import RequestError, chat_prompt, encode_prompt
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -47,16 +47,16 @@ async def completions(body: CompletionRequest, http: Request) -> Any:
     served = state.model_router.route(body.model)
     runtime = served.current.runtime
     vocabulary = len(runtime.tokenizer)
+    budget = min(body.max_tokens, state.settings.max_new_tokens)
     prompts = []
     for prompt in body.prompt:
-        ids = runtime.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = await encode_prompt(runtime, prompt, budget) if isinstance(prompt, str) else list(prompt)
         if any(not 0 <= token < vocabulary for token in ids):
             raise RequestError(
                 400, f"prompt: token ids must lie in 0..{vocabulary - 1} (this model's vocabulary)"
             )
         echo = (prompt if isinstance(prompt, str) else runtime.decode(ids)) if body.echo else ""
         prompts.append((ids, echo))
-    budget = min(body.max_tokens, state.settings.max_new_tokens)
     choices = _start(http, served, prompts, budget, body)
     return await _answer(choices, _shape("text_completion", served, choices, body), body, http)
 
@@ -66,8 +66,9 @@ async def chat_completions(body: ChatRequest, http: Request) -> Any:
     state = state_of(http)
     served = state.model_router.route(body.model)
     runtime = served.current.runtime
-    prompt = runtime.encode(chat_prompt(runtime.tokenizer, [m.template_message() for m in body.messages]))
     budget = body.token_budget(state.settings.max_new_tokens)
+    text = chat_prompt(runtime.tokenizer, [m.template_message() for m in body.messages])
+    prompt = await encode_prompt(runtime, text, budget)
     choices = _start(http, served, [(prompt, "")], budget, body)
     return await _answer(choices, _shape("chat.completion", served, choices, body), body, http)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from serving.api.common import require_api_key, sse, start_generation, state_of
 from serving.api.tgi_protocol import GenerateRequest, TokenizeRequest
 from serving.generation import Finish, Generation, Piece, PromptScores
-from serving.text import RequestError
+from serving.text import RequestError, encode_prompt
 
 TGI_DEFAULT_NEW_TOKENS = 100  # TGI's own default when a request names no max_new_tokens
 
@@ -88,8 +89,10 @@ async def _answer(body: GenerateRequest, http: Request, stream: bool) -> Any:
     served = state.model_router.models[0]  # TGI's API names no model: the default one answers
     params = body.streamed(stream).parameters
     budget = min(params.max_new_tokens or TGI_DEFAULT_NEW_TOKENS, state.settings.max_new_tokens)
-    prompt = served.current.runtime.encode(body.inputs)
-    if params.truncate is not None:
+    if params.truncate is None:
+        prompt = await encode_prompt(served.current.runtime, body.inputs, budget)
+    else:  # what is cut later may be any length: tokenized whole, off the event loop
+        prompt = await asyncio.to_thread(served.current.runtime.encode, body.inputs)
         prompt = prompt[-params.truncate :]  # TGI keeps the last `truncate` tokens of the input
     generation = start_generation(http, served, prompt, budget, params)
     special = set(served.current.runtime.tokenizer.all_special_ids)

@@ -242,3 +242,71 @@ def test_a_request_failing_in_the_worker_ends_alone_and_its_neighbours_finish(on
         [prompt], 6
     )[0]
     assert events["good"][-1][0] == "done" and scheduler.in_flight == 0 and gated.decoders[0].active == 0
+
+
+class _Recording:
+    """The runtime, recording the thread of every `encode` call."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime, self.threads = runtime, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append((len(text), threading.current_thread().name))
+        return self.runtime.encode(text)
+
+
+def test_abusive_prompts_are_refused_unread_or_tokenized_off_the_event_loop_and_slow_bodies_time_out(
+    onnx_runtime, monkeypatch
+):
+    """A prompt longer than any tokenization could fit (characters ÷ the longest vocabulary entry) is a 400 before
+    any tokenizing; a long prompt that may fit is tokenized on the server's tokenizer thread, never on the event
+    loop that streams every other answer; a body still incomplete after serve.body_timeout_s is a 408."""
+    import socket
+    import time
+
+    from serving.text import longest_token_chars
+
+    monkeypatch.setattr(
+        "serving.text.INLINE_CHARS", 16
+    )  # the tiny model's context holds no 4096-character prompt
+    assert len(PROMPT) > 16
+    recording = _Recording(onnx_runtime)
+    longest = longest_token_chars(onnx_runtime.tokenizer)
+    context = onnx_runtime.context_length
+    settings = ServeConfig(max_new_tokens=8, max_body_kb=64 * 1024, body_timeout_s=1.0)
+    with live_server(recording, settings) as (url, _):
+        huge = "w " * ((context * longest) // 2 + 8)  # at least context + 8 tokens, however it is cut
+        refused = complete(url, key=None, prompt=huge, max_tokens=8)
+        assert refused.status_code == 400 and "at least" in refused.json()["error"]["message"]
+        assert all(length != len(huge) for length, _ in recording.threads)  # never tokenized
+        short = "The river"  # under INLINE_CHARS (16 here): tokenized where the request is handled
+        assert complete(url, key=None, prompt=PROMPT, max_tokens=2).status_code == 200
+        assert complete(url, key=None, prompt=short, max_tokens=2).status_code == 200
+        threads = dict(recording.threads)
+        assert threads[len(PROMPT)].startswith("llmopt-tokenize")
+        assert not threads[len(short)].startswith("llmopt-tokenize")
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as slow:
+            slow.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt":'
+            )
+            started = time.monotonic()
+            slow.settimeout(30)
+            answer = b""
+            while b"body_timeout_s" not in answer and (chunk := slow.recv(4096)):
+                answer += chunk
+            answer = answer.decode()
+            assert answer.startswith("HTTP/1.1 408") and "serve.body_timeout_s" in answer
+            assert 0.9 < time.monotonic() - started < 20
+        assert complete(url, key=None).status_code == 200  # and it still answers
+
+
+def test_serving_beyond_loopback_without_an_api_key_is_warned_about():
+    from serving.app import _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
+    assert not _loopback("0.0.0.0") and not _loopback("10.1.2.3") and not _loopback("my-host")
