@@ -41,6 +41,7 @@ from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.inputs.data import PreparedData, read_split
 from tasks.inputs.load import PreparedBase
+from tasks.project_lock import project_lock
 from tasks.report.run_report import ReportContext, write_run_report
 from tasks.report.timeline import Span, write_timeline
 from tasks.report.timings import StageClock
@@ -102,6 +103,12 @@ def pipeline_flow(config: Config, root: Path) -> PipelineOutcome:
     """Build, measure and rank every variant beside the production version; judge the winner against production
     (duel included) before anything is registered; register the winner as candidate and move production to it
     only when it beats production on the run's objective with confidence."""
+    # a schedule tick takes the project lock here (`llmopt run` holds it already: taken again, it is a no-op)
+    with project_lock(workdir(config, root), "scheduled run", get_run_logger().warning):
+        return _pipeline(config, root)
+
+
+def _pipeline(config: Config, root: Path) -> PipelineOutcome:
     clock, started = StageClock(), datetime.now(UTC).isoformat(timespec="seconds")
     with clock.stage("prepare"):
         base, data = prepare_inputs(config, root)

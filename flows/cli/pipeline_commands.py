@@ -43,6 +43,7 @@ def promote(
     with CommandSession(debug) as session:
         config, root = session.setup(params)
         if force:
+            session.lock(config, root, "promote --force")
             _forced_move(config, root, version, reason, "forced", "llmopt promote --force")
             return
         if _current_production(config, root, version) == version:
@@ -67,6 +68,7 @@ def rollback(
     """Move production back to the version it pointed to before its last move (recorded in the history)."""
     with CommandSession(debug) as session:
         config, root = session.setup(params)
+        session.lock(config, root, "rollback")
         from tasks.decide.history import rollback_target
 
         _configure_tracking(config, root)

@@ -3,6 +3,7 @@ checks, the full log file, and user errors turned into one red line and an exit 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from pathlib import Path
@@ -15,6 +16,8 @@ from tasks.errors import LlmoptError, RegistryError
 from tasks.params_file import load_config
 
 console = Console(stderr=True)
+# Commands that write the project's shared state: each holds the project lock (tasks/project_lock.py) until it ends
+WRITERS = frozenset({"run", "promote", "bench", "prepare", "rollback"})
 
 
 class CommandSession:
@@ -25,11 +28,13 @@ class CommandSession:
         self.debug = debug
         self.log_file: Path | None = None  # this command's full log, once the pre-flight checks passed
         self._noticed: set[str] = set()  # deprecation lines already printed (a command may read params twice)
+        self._locks = contextlib.ExitStack()
 
     def __enter__(self) -> CommandSession:
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
+        self._locks.close()
         if (
             exc is not None
             and not isinstance(exc, LlmoptError)
@@ -68,6 +73,16 @@ class CommandSession:
         _configure_environment(root / config.project.workdir, self.debug)
         return config, root
 
+    def lock(self, config: Config, root: Path, command: str) -> None:
+        """Hold the project lock until the command ends (waiting, with a line saying for whom, while another
+        process holds it)."""
+        from tasks.project_lock import project_lock
+
+        def say(line: str) -> None:
+            console.print(f"[yellow]{line}[/]", highlight=False, soft_wrap=True)
+
+        self._locks.enter_context(project_lock(root / config.project.workdir, f"llmopt {command}", say))
+
     def flow_run(
         self, params: Path, command: str, extra_checks=(), starts_services: bool = False
     ) -> tuple[Config, Path]:
@@ -77,6 +92,8 @@ class CommandSession:
         from tasks.preflight import preflight
 
         preflight(config, root, extra_checks, starts_services)
+        if command in WRITERS:
+            self.lock(config, root, command)
         # Prefect's embedded server needs its home folder to exist before it opens its database there.
         Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
         if not self.debug:

@@ -22,21 +22,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
-import socket
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tasks.decide.registry import PRODUCTION, current_version
+from tasks.decide.registry import PRODUCTION, current_version, registry_lock
 from tasks.errors import RegistryError
 from tasks.failpoints import failpoint
 
 HISTORY_PREFIX = "llmopt.history."
-LOCK_SUFFIX = ".llmopt-lock"
-LOCK_TIMEOUT_S = 120.0
 INTENT_TAG = "llmopt.production_intent"
 MOVE_TAGS = ("llmopt.gate", "llmopt.previous_production")  # what a move writes on the version it moves to
 MAX_REASON = 2000  # registry tag values are limited (5000 characters)
@@ -177,75 +172,6 @@ def rollback_target(model_name: str) -> tuple[str, str]:
         if move.moved and move.to_version == current and move.from_version not in (None, current):
             return current, move.from_version
     raise RegistryError(f"{model_name}: no earlier production version to roll back to (see `llmopt history`)")
-
-
-@contextlib.contextmanager
-def registry_lock(model_name: str, holder: str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold the model's registry lock for the body (waits up to `timeout_s` for another holder).
-
-    MLflow has no compare-and-set, so breaking a dead holder's lock re-reads its token just before deleting it,
-    and releasing deletes the lock only while it still carries this holder's token.
-    """
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    client, lock, token = MlflowClient(), model_name + LOCK_SUFFIX, uuid.uuid4().hex
-    deadline = time.monotonic() + timeout_s
-    tags = {
-        "llmopt.lock.holder": holder,
-        "llmopt.lock.host": socket.gethostname(),
-        "llmopt.lock.token": token,
-    }
-    tags |= {"llmopt.lock.pid": str(os.getpid()), "llmopt.lock.since": _now()}
-    while True:
-        try:
-            client.create_registered_model(
-                lock, tags=tags, description="llmopt: a production move is under way"
-            )
-            break
-        except MlflowException as exc:
-            # RESOURCE_DOES_NOT_EXIST: the holder released it between our create and the store's own lookup
-            if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
-                raise RegistryError(f"{model_name}: cannot take the registry lock ({exc.message})") from None
-        stale = _stale_token(client, lock)
-        if stale is not None and _lock_token(client, lock) == stale:
-            with contextlib.suppress(MlflowException):
-                client.delete_registered_model(lock)
-        if time.monotonic() > deadline:
-            raise RegistryError(f"{model_name}: another production move holds the registry lock ({lock})")
-        time.sleep(0.2)
-    try:
-        yield
-    finally:
-        if _lock_token(client, lock) == token:
-            client.delete_registered_model(lock)
-
-
-def _lock_token(client: Any, lock: str) -> str | None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_registered_model(lock).tags.get("llmopt.lock.token", "")
-    except MlflowException:
-        return None
-
-
-def _stale_token(client: Any, lock: str) -> str | None:
-    """The token of a lock whose holder ran on this host and whose process is gone (None: not stale)."""
-    import psutil
-    from mlflow.exceptions import MlflowException
-
-    try:
-        tags = client.get_registered_model(lock).tags
-    except MlflowException:
-        return None  # released meanwhile: try again
-    if tags.get("llmopt.lock.host") != socket.gethostname():
-        return None
-    return (
-        None
-        if psutil.pid_exists(int(tags.get("llmopt.lock.pid", "0")))
-        else tags.get("llmopt.lock.token", "")
-    )
 
 
 def _now() -> str:

@@ -6,10 +6,18 @@ it, tags the version with the verdict and appends one history record (see `tasks
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
+import socket
+import time
+import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -55,6 +63,82 @@ class Registration:
     reused: bool
 
 
+LOCK_SUFFIX = ".llmopt-lock"
+LOCK_TIMEOUT_S = 120.0
+
+
+@contextlib.contextmanager
+def registry_lock(model_name: str, holder: str, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the model's registry lock for the body (waits up to `timeout_s` for another holder): every production
+    move takes it (tasks/decide/history.py), and so does registering a version (find by model hash, else register:
+    one atomic step for concurrent processes).
+
+    MLflow has no compare-and-set, so breaking a dead holder's lock re-reads its token just before deleting it,
+    and releasing deletes the lock only while it still carries this holder's token.
+    """
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client, lock, token = MlflowClient(), model_name + LOCK_SUFFIX, uuid.uuid4().hex
+    deadline = time.monotonic() + timeout_s
+    tags = {
+        "llmopt.lock.holder": holder,
+        "llmopt.lock.host": socket.gethostname(),
+        "llmopt.lock.token": token,
+    }
+    since = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    tags |= {"llmopt.lock.pid": str(os.getpid()), "llmopt.lock.since": since}
+    while True:
+        try:
+            client.create_registered_model(
+                lock, tags=tags, description="llmopt: a production move is under way"
+            )
+            break
+        except MlflowException as exc:
+            # RESOURCE_DOES_NOT_EXIST: the holder released it between our create and the store's own lookup
+            if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
+                raise RegistryError(f"{model_name}: cannot take the registry lock ({exc.message})") from None
+        stale = _stale_token(client, lock)
+        if stale is not None and _lock_token(client, lock) == stale:
+            with contextlib.suppress(MlflowException):
+                client.delete_registered_model(lock)
+        if time.monotonic() > deadline:
+            raise RegistryError(f"{model_name}: another production move holds the registry lock ({lock})")
+        time.sleep(0.2)
+    try:
+        yield
+    finally:
+        if _lock_token(client, lock) == token:
+            client.delete_registered_model(lock)
+
+
+def _lock_token(client: Any, lock: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_registered_model(lock).tags.get("llmopt.lock.token", "")
+    except MlflowException:
+        return None
+
+
+def _stale_token(client: Any, lock: str) -> str | None:
+    """The token of a lock whose holder ran on this host and whose process is gone (None: not stale)."""
+    import psutil
+    from mlflow.exceptions import MlflowException
+
+    try:
+        tags = client.get_registered_model(lock).tags
+    except MlflowException:
+        return None  # released meanwhile: try again
+    if tags.get("llmopt.lock.host") != socket.gethostname():
+        return None
+    return (
+        None
+        if psutil.pid_exists(int(tags.get("llmopt.lock.pid", "0")))
+        else tags.get("llmopt.lock.token", "")
+    )
+
+
 def register_variant(
     model_name: str,
     variant_dir: Path,
@@ -72,14 +156,15 @@ def register_variant(
         variant_dir, f"variant {manifest.name}"
     )  # never register bytes that are not what was measured
     client = MlflowClient()
-    for existing in _versions(client, model_name):
-        if _same_model(existing.tags, manifest):
-            if existing.run_id != run_id:
-                return Registration(model_name, str(existing.version), reused=True)
-            version = str(existing.version)
-            break
-    else:
-        version = _log_and_register(model_name, variant_dir, manifest, run_id, tags)
+    with registry_lock(model_name, f"registering {manifest.name} (run {run_id})"):
+        for existing in _versions(client, model_name):
+            if _same_model(existing.tags, manifest):
+                if existing.run_id != run_id:
+                    return Registration(model_name, str(existing.version), reused=True)
+                version = str(existing.version)
+                break
+        else:
+            version = _log_and_register(model_name, variant_dir, manifest, run_id, tags)
     # tests: SIGKILL, or a transient OSError, with the version registered but not described
     failpoint("register")
     client.update_model_version(model_name, version, description=description)

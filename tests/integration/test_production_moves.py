@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.decide.history import LOCK_SUFFIX, history, move_production, registry_lock, rollback_target
-from tasks.decide.registry import PRODUCTION, current_version
+from tasks.decide.history import history, move_production, rollback_target
+from tasks.decide.registry import LOCK_SUFFIX, PRODUCTION, current_version, registry_lock
 from tasks.errors import RegistryError
 from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 
