@@ -5,7 +5,8 @@ use) it costs one environment lookup. Actions:
 - `kill` (the default): SIGKILL itself, as abruptly as a power cut or the OOM killer would;
 - `stop`: SIGSTOP itself, so a test can act at exactly that moment (fill the disk, kill a server) and then resume
   it with SIGCONT;
-- `oserror`: raise OSError, a transient I/O fault (a network, database or disk hiccup) that retries are for.
+- `oserror`: raise OSError, a transient I/O fault (a network, database or disk hiccup) that retries are for;
+- `enospc`: raise OSError(ENOSPC), the disk full where the point is.
 `LLMOPT_FAILPOINT_ONCE=<file>`: only the first process to get there acts (it creates the file), so a task retried
 on another worker goes through. `LLMOPT_FAILPOINT_TIMES=<n>`: act on the first n hits in this process only (a
 transient fault that clears after n tries).
@@ -13,6 +14,7 @@ transient fault that clears after n tries).
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -35,6 +37,8 @@ def failpoint(name: str) -> None:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
+    if action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (fail point {name})")
     if action == "oserror":
         raise OSError(f"fail point {name}: injected transient I/O error (hit {_hits[name]})")
     os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)

@@ -22,8 +22,9 @@ from typing import Any
 import yaml
 
 from tasks.engines.manifest import VARIANT_ARTIFACT, VariantManifest, verify_variant
-from tasks.errors import RegistryError
+from tasks.errors import RegistryError, StorageError
 from tasks.failpoints import failpoint
+from tasks.local_files import disk_full
 
 # What every registered model needs to load and serve through its Runtime, pinned to this environment's
 # versions: MLflow's scoring server, the tokenizer and both engines (so versions share one serving environment).
@@ -164,7 +165,17 @@ def register_variant(
                 version = str(existing.version)
                 break
         else:
-            version = _log_and_register(model_name, variant_dir, manifest, run_id, tags)
+            try:
+                version = _log_and_register(model_name, variant_dir, manifest, run_id, tags)
+            except Exception as exc:
+                if not disk_full(exc):
+                    raise
+                _drop_partial_model(run_id)
+                raise StorageError(
+                    f"{model_name}: the disk filled up while registering {manifest.name} (logging its model to the "
+                    "run's artifacts); nothing was registered and the partial copy is removed; free space where "
+                    "MLflow keeps artifacts (tracking.artifacts) and run again"
+                ) from None
     # tests: SIGKILL, or a transient OSError, with the version registered but not described
     failpoint("register")
     client.update_model_version(model_name, version, description=description)
@@ -193,6 +204,7 @@ def _log_and_register(
             pip_requirements=model_requirements(manifest, variant_dir),
             signature=infer_signature(["a prompt"], ["its completion"], params={"max_new_tokens": 64}),
         )
+        failpoint("register-log")  # tests: the disk full (enospc) with the model's artifacts written
     all_tags = {
         **tags,
         "llmopt.variant": manifest.name,
@@ -203,6 +215,22 @@ def _log_and_register(
         "llmopt.data_hash": manifest.data_hash,
     }
     return str(mlflow.register_model(info.model_uri, model_name, tags=all_tags).version)
+
+
+def _drop_partial_model(run_id: str) -> None:
+    """Remove the models a failed registration logged in run `run_id` (their files and their entries; best effort:
+    the run is marked failed anyway)."""
+    from mlflow import MlflowClient
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    client = MlflowClient()
+    with contextlib.suppress(Exception):
+        experiment = client.get_run(run_id).info.experiment_id
+        for model in client.search_logged_models([experiment], filter_string=f"source_run_id = '{run_id}'"):
+            with contextlib.suppress(Exception):
+                get_artifact_repository(model.artifact_location).delete_artifacts()
+            with contextlib.suppress(Exception):
+                client.delete_logged_model(model.model_id)
 
 
 def model_requirements(manifest: VariantManifest, folder: Path | None = None) -> list[str]:

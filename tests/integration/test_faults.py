@@ -352,3 +352,17 @@ def test_a_registry_that_disappears_mid_run_stops_the_run_cleanly_and_the_next_c
         after
     )  # nothing lost, no duplicate
     assert aliases(project)["production"] in {version for version, _ in after}
+
+
+def test_a_disk_that_fills_while_a_version_is_registered_is_one_line_and_registers_nothing(project):
+    """The winner's model logged, the disk full before its version is registered (fail point register-log:enospc):
+    one line saying so, exit 1, no version, no run left RUNNING, the partial copy gone; the next run registers."""
+    process, log = start(project, "llmopt", "run", LLMOPT_FAILPOINT="register-log:enospc")
+    code = finish(process)
+    output = log.read_text(errors="replace")
+    assert code == 1, output[-3000:]
+    assert "the disk filled up while registering" in output and "Traceback" not in output, output[-3000:]
+    assert versions(project) == [] and "RUNNING" not in runs_by_status(project)
+    assert not list((project / "mlruns").rglob("MLmodel"))  # the partial model's files are gone
+    run(project, "llmopt", "run")
+    assert len(versions(project)) == 1 and list((project / "mlruns").rglob("MLmodel"))
