@@ -166,13 +166,17 @@ class BodyLimit:
         self.app, self.max_bytes, self.timeout_s, self.bytes_per_s = app, max_bytes, timeout_s, bytes_per_s
         self._next_free = 0.0  # when the shared read allowance is next available (time.monotonic)
 
-    async def _paced(self, size: int) -> None:
-        """Wait for `size` bytes of the shared allowance (reserved in arrival order)."""
+    async def _paced(self, size: int, deadline: float) -> bool:
+        """Wait for `size` bytes of the shared allowance (reserved in arrival order); False, reserving nothing,
+        when that wait would pass `deadline` (the body is then refused as too slow)."""
         now = time.monotonic()
         start = max(now, self._next_free)
+        if start > deadline:
+            return False
         self._next_free = start + size / self.bytes_per_s
         if start > now:
             await asyncio.sleep(start - now)
+        return True
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -185,10 +189,12 @@ class BodyLimit:
                 "too_large",
                 path=scope["path"],
             )(scope, receive, send)
-        seen, deadline = 0, None
+        seen, deadline, complete = 0, None, False
 
         async def counted() -> dict:
-            nonlocal seen, deadline
+            nonlocal seen, deadline, complete
+            if complete:  # the body is in: what follows (a disconnect, while a stream runs) has no deadline
+                return await receive()
             deadline = deadline or time.monotonic() + self.timeout_s
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
@@ -196,9 +202,14 @@ class BodyLimit:
                 raise StarletteHTTPException(
                     408, f"request body not complete within {self.timeout_s:g} s (serve.body_timeout_s)"
                 ) from None
+            complete = message.get("type") != "http.request" or not message.get("more_body", False)
             size = len(message.get("body", b""))
             if self.bytes_per_s and seen + size > self.FREE_BYTES:
-                await self._paced(min(size, seen + size - self.FREE_BYTES))
+                wait = await self._paced(min(size, seen + size - self.FREE_BYTES), deadline)
+                if not wait:
+                    raise StarletteHTTPException(
+                        408, f"request body not complete within {self.timeout_s:g} s (serve.body_timeout_s)"
+                    )
             seen += size
             if (
                 seen > self.max_bytes

@@ -463,16 +463,6 @@ class LoadtestConfig(Strict):
     prompt_start: Literal["first", "anywhere"] = "first"
     max_tokens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [16, 64]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _slo_moved(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "slo" in data:
-            raise ValueError(
-                "loadtest.slo moved to the top-level `slo:` section (one SLO for the load test and for "
-                "select.objective: serving); move it there"
-            )
-        return data
-
     @model_validator(mode="after")
     def _ranges_ascend(self) -> LoadtestConfig:
         for name in ("prompt_words", "max_tokens"):
@@ -576,6 +566,20 @@ class Config(Strict):
     schedule: ScheduleConfig = ScheduleConfig()
     services: ServicesConfig = ServicesConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _slo_moved(cls, data: Any) -> Any:
+        """`loadtest.slo` (its former place) is read as the top-level `slo` (tasks.params_file says so)."""
+        loadtest = data.get("loadtest") if isinstance(data, dict) else None
+        if not isinstance(loadtest, dict) or "slo" not in loadtest:
+            return data
+        if data.get("slo") is not None and loadtest["slo"] is not None:
+            raise ValueError("loadtest.slo is the former place of slo; set only the top-level slo")
+        data = {**data, "loadtest": {k: v for k, v in loadtest.items() if k != "slo"}}
+        if data.get("slo") is None:
+            data["slo"] = loadtest["slo"]
+        return data
 
     @model_validator(mode="after")
     def _baseline_is_plain(self) -> Config:

@@ -49,6 +49,12 @@ def load_config(path: Path, notice: Callable[[str], None] | None = None) -> Conf
 def former_spellings(source: str, raw: dict[str, Any]) -> list[str]:
     """One deprecation line per renamed setting params.yaml still spells the former way (it keeps working)."""
     lines = []
+    loadtest = raw.get("loadtest")
+    if isinstance(loadtest, dict) and "slo" in loadtest:
+        lines.append(
+            f"{source}: loadtest.slo → slo (one SLO for the load test and select.objective: serving; the former "
+            "place still works, for now)"
+        )
     variants = raw.get("variants")
     for name, variant in (variants if isinstance(variants, dict) else {}).items():
         if not isinstance(variant, dict):

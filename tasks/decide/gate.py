@@ -92,7 +92,7 @@ def judge(
         "paired_accuracy": champion.score is not None,
     }
     problems = []
-    if speed.low <= threshold:
+    if not speed.low > threshold:  # nan (a zero sample, e.g. no request within the SLO): no evidence either
         problems.append(
             f"{board.objective} ×{speed.ratio:.2f} of production v{champion.version} "
             f"({cfg.confidence:.0%} CI {speed.low:.2f}–{speed.high:.2f}), needs > {threshold:.2f}"

@@ -102,10 +102,10 @@ def move_production(
                 model_name, Move(_now(), actor, "lost-race", current, to_version, False, f"{lost}. {reason}")
             )
             return False
-        move = Move(_now(), actor, kind, current, to_version, True, reason)
+        move = Move(_now(), actor, kind, current, to_version, True, reason[:MAX_REASON])
         before = client.get_model_version(model_name, to_version).tags
         intent = {"move": asdict(move), "tags": {key: before.get(key) for key in MOVE_TAGS}}
-        client.set_registered_model_tag(model_name, INTENT_TAG, json.dumps(intent)[:4900])
+        client.set_registered_model_tag(model_name, INTENT_TAG, json.dumps(intent, ensure_ascii=False))
         failpoint("promote-intent")
         client.set_model_version_tag(model_name, to_version, "llmopt.gate", gate_tag[:MAX_REASON])
         if current is not None and current != to_version:
@@ -140,11 +140,17 @@ def _recover(client: Any, model_name: str) -> str | None:
     text = client.get_registered_model(model_name).tags.get(INTENT_TAG)
     if text is None:
         return None
-    intent = json.loads(text)
-    move = Move(**intent["move"])
+    try:
+        intent = json.loads(text)
+        move = Move(**intent["move"])
+    except (ValueError, TypeError, KeyError):
+        raise RegistryError(
+            f"{model_name}: the tag {INTENT_TAG} (an interrupted production move) cannot be read; check where the "
+            "production alias points, then delete the tag"
+        ) from None
     to = _v(move.to_version)
     if current_version(model_name, PRODUCTION) == move.to_version:
-        recorded = any(m.time == move.time and m.to_version == move.to_version for m in history(model_name))
+        recorded = move in history(model_name)
         if not recorded:
             record(model_name, move)
         client.delete_registered_model_tag(model_name, INTENT_TAG)

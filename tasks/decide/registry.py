@@ -104,7 +104,9 @@ def registry_lock(model_name: str, holder: str, timeout_s: float = LOCK_TIMEOUT_
             with contextlib.suppress(MlflowException):
                 client.delete_registered_model(lock)
         if time.monotonic() > deadline:
-            raise RegistryError(f"{model_name}: another production move holds the registry lock ({lock})")
+            raise RegistryError(
+                f"{model_name}: another production move or registration holds the registry lock ({lock})"
+            )
         time.sleep(0.2)
     try:
         yield
@@ -157,54 +159,72 @@ def register_variant(
         variant_dir, f"variant {manifest.name}"
     )  # never register bytes that are not what was measured
     client = MlflowClient()
-    with registry_lock(model_name, f"registering {manifest.name} (run {run_id})"):
-        for existing in _versions(client, model_name):
-            if _same_model(existing.tags, manifest):
-                if existing.run_id != run_id:
-                    return Registration(model_name, str(existing.version), reused=True)
-                version = str(existing.version)
-                break
-        else:
-            try:
-                version = _log_and_register(model_name, variant_dir, manifest, run_id, tags)
-            except Exception as exc:
-                if not disk_full(exc):
-                    raise
-                _drop_partial_model(run_id)
-                raise StorageError(
-                    f"{model_name}: the disk filled up while registering {manifest.name} (logging its model to the "
-                    "run's artifacts); nothing was registered and the partial copy is removed; free space where "
-                    "MLflow keeps artifacts (tracking.artifacts) and run again"
-                ) from None
+    found = _registered(client, model_name, manifest)
+    if found is not None and found.run_id != run_id:
+        return Registration(model_name, str(found.version), reused=True)
+    if found is not None:
+        version = str(found.version)  # this run registered it (an attempt cut short after registering)
+    else:
+        model_uri = _log_model(model_name, variant_dir, manifest, run_id)  # the slow upload, outside the lock
+        # find by model hash, else register: one step under the registry lock, so two processes registering the
+        # same bytes at once make one version
+        with registry_lock(model_name, f"registering {manifest.name} (run {run_id})"):
+            found = _registered(client, model_name, manifest)
+            if found is None:
+                version = _register(model_uri, model_name, manifest, tags)
+        if found is not None:  # another process registered these bytes meanwhile: ours is not needed
+            _drop_partial_model(run_id)
+            return Registration(model_name, str(found.version), reused=found.run_id != run_id)
     # tests: SIGKILL, or a transient OSError, with the version registered but not described
     failpoint("register")
     client.update_model_version(model_name, version, description=description)
     return Registration(model_name, version, reused=False)
 
 
-def _log_and_register(
-    model_name: str, variant_dir: Path, manifest: VariantManifest, run_id: str, tags: dict[str, str]
-) -> str:
-    """Log the variant as a pyfunc model in run `run_id` and register it with its lineage tags; its version."""
+def _registered(client: Any, model_name: str, manifest: VariantManifest) -> Any:
+    """The registered version holding `manifest`'s model (same model hash), or None."""
+    return next((v for v in _versions(client, model_name) if _same_model(v.tags, manifest)), None)
+
+
+def _log_model(model_name: str, variant_dir: Path, manifest: VariantManifest, run_id: str) -> str:
+    """Log the variant as a pyfunc model in run `run_id`; its model URI. A disk that fills meanwhile is one
+    StorageError, the partial copy removed."""
     import mlflow
     from mlflow.models import infer_signature
 
-    with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
-        # the predict method has no type hints on purpose (they would replace the signature and drop its params)
-        warnings.filterwarnings(
-            "ignore", message=".*type hints to the `predict` method", category=UserWarning
-        )
-        info = mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(Path(__file__).with_name("pyfunc_model.py")),
-            artifacts={VARIANT_ARTIFACT: str(variant_dir)},
-            code_paths=[
-                str(Path(__file__).parents[1])
-            ],  # the tasks package: the engines travel with the model
-            pip_requirements=model_requirements(manifest, variant_dir),
-            signature=infer_signature(["a prompt"], ["its completion"], params={"max_new_tokens": 64}),
-        )
-        failpoint("register-log")  # tests: the disk full (enospc) with the model's artifacts written
+    try:
+        with mlflow.start_run(run_id=run_id), warnings.catch_warnings():
+            # the predict method has no type hints on purpose (they would replace the signature and its params)
+            warnings.filterwarnings(
+                "ignore", message=".*type hints to the `predict` method", category=UserWarning
+            )
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                artifacts={VARIANT_ARTIFACT: str(variant_dir)},
+                code_paths=[
+                    str(Path(__file__).parents[1])
+                ],  # the tasks package: the engines travel with the model
+                pip_requirements=model_requirements(manifest, variant_dir),
+                signature=infer_signature(["a prompt"], ["its completion"], params={"max_new_tokens": 64}),
+            )
+            failpoint("register-log")  # tests: the disk full (enospc) with the model's artifacts written
+    except Exception as exc:
+        if not disk_full(exc):
+            raise
+        _drop_partial_model(run_id)
+        raise StorageError(
+            f"{model_name}: the disk filled up while registering {manifest.name} (logging its model to the "
+            "run's artifacts); nothing was registered and the partial copy is removed; free space where "
+            "MLflow keeps artifacts (tracking.artifacts) and run again"
+        ) from None
+    return info.model_uri
+
+
+def _register(model_uri: str, model_name: str, manifest: VariantManifest, tags: dict[str, str]) -> str:
+    """Register a logged model as a new version of `model_name` with its lineage tags; the version."""
+    import mlflow
+
     all_tags = {
         **tags,
         "llmopt.variant": manifest.name,
@@ -214,7 +234,7 @@ def _log_and_register(
         "llmopt.base_hash": manifest.base_hash,
         "llmopt.data_hash": manifest.data_hash,
     }
-    return str(mlflow.register_model(info.model_uri, model_name, tags=all_tags).version)
+    return str(mlflow.register_model(model_uri, model_name, tags=all_tags).version)
 
 
 def _drop_partial_model(run_id: str) -> None:

@@ -148,6 +148,11 @@ def summarize(
     )
 
 
+REPLAY_TIMEOUT_S = (
+    600.0  # a request of the replay unanswered this long: the scheduler is stuck (an error, not a hang)
+)
+
+
 @dataclass(frozen=True)
 class ServedPlan:
     """What the benchmark replays to measure served capacity: the request mix, the server's scheduler settings,
@@ -212,9 +217,17 @@ def replay(
             finished.release()
             send()
 
-        scheduler.submit(
-            GenerationRequest(prompts[index], requests[index].max_tokens, Sampling(), on_event, stops)
-        )
+        try:
+            scheduler.submit(
+                GenerationRequest(prompts[index], requests[index].max_tokens, Sampling(), on_event, stops)
+            )
+        except (
+            Exception
+        ):  # a worker that stopped (its error is in the log): this request fails, the rest go on
+            with lock:
+                outcomes.append(Outcome(500, float("nan"), time.perf_counter() - started, 0))
+            finished.release()
+            send()
 
     warmed = threading.Event()
     try:
@@ -222,12 +235,14 @@ def replay(
         scheduler.submit(
             GenerationRequest(warm_up, 1, Sampling(), lambda e: e[0] in ("done", "error") and warmed.set())
         )
-        warmed.wait()
+        if not warmed.wait(REPLAY_TIMEOUT_S):
+            raise TimeoutError(f"the served replay's warm-up request got no answer in {REPLAY_TIMEOUT_S:g} s")
         started = time.perf_counter()
         for _ in range(min(clients, len(requests))):
             send()
         for _ in requests:
-            finished.acquire()
+            if not finished.acquire(timeout=REPLAY_TIMEOUT_S):
+                raise TimeoutError(f"a served replay's request got no answer in {REPLAY_TIMEOUT_S:g} s")
         wall = time.perf_counter() - started
     finally:
         scheduler.close()

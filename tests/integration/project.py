@@ -70,7 +70,7 @@ def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
             "served_requests": 6,
         },
         # the served capacity's mix and batching (each a parameter of the DVC stage: present, so `dvc repro` runs)
-        "loadtest": {"prompt_words": [4, 30], "max_tokens": [3, 8]},
+        "loadtest": {"seed": 0, "prompt_words": [4, 30], "prompt_start": "first", "max_tokens": [3, 8]},
         "serve": {
             "max_batch": 16,
             "step_tokens": 256,

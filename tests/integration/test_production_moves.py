@@ -100,7 +100,9 @@ def test_rollback_without_an_earlier_production_is_a_clear_error(registry):
 def test_a_lock_left_by_a_dead_process_is_broken_and_a_live_holder_makes_others_wait(registry):
     tags = {"llmopt.lock.host": socket.gethostname(), "llmopt.lock.pid": str(dead_pid())}
     registry.create_registered_model(MODEL + LOCK_SUFFIX, tags=tags)
-    held = pytest.raises(RegistryError, match="another production move holds the registry lock")
+    held = pytest.raises(
+        RegistryError, match="another production move or registration holds the registry lock"
+    )
     with registry_lock(MODEL, "me"), held, registry_lock(MODEL, "someone else", timeout_s=0.5):
         pass
 

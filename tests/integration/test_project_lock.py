@@ -115,3 +115,29 @@ def test_the_cli_writers_wait_for_the_project_lock_and_stop_with_one_line(
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_an_empty_lock_file_left_by_a_dead_writer_is_broken_and_a_quiet_live_holder_here_is_not(
+    tmp_path, monkeypatch
+):
+    lock = tmp_path / LOCK_FILE
+    lock.write_text("")
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    said: list[str] = []
+    with project_lock(tmp_path, "llmopt run", said.append):
+        pass
+    assert len(said) == 1 and "its file was unreadable" in said[0]
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # alive on this host, its lease not renewed for minutes (stopped, or blocked): still its lock
+        lease = {"command": "llmopt run", "pid": sleeper.pid, "host": socket.gethostname(), "token": "q"}
+        lock.write_text(
+            json.dumps({**lease, "since": "2026-12-05T09:00:00+00:00", "renewed": time.time() - 600})
+        )
+        monkeypatch.setenv("LLMOPT_PROJECT_LOCK_WAIT_S", "1")
+        with pytest.raises(ProjectBusy), project_lock(tmp_path, "llmopt run", said.append):
+            pass
+        assert json.loads(lock.read_text())["token"] == "q"
+    finally:
+        sleeper.kill()
+        sleeper.wait()

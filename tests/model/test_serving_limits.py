@@ -310,3 +310,26 @@ def test_serving_beyond_loopback_without_an_api_key_is_warned_about():
 
     assert _loopback("127.0.0.1") and _loopback("::1") and _loopback("localhost")
     assert not _loopback("0.0.0.0") and not _loopback("10.1.2.3") and not _loopback("my-host")
+
+
+def test_a_stream_outlives_the_body_deadline(onnx_runtime):
+    """serve.body_timeout_s bounds reading the request body only: a streamed answer that waits in the queue and
+    streams for longer still ends whole (the server's disconnect listener reads on while it streams)."""
+    import time
+
+    gated = GatedRuntime(onnx_runtime)
+    with live_server(gated, ServeConfig(max_new_tokens=8, body_timeout_s=0.5)) as (url, _):
+        payload = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+        lines: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=60) as response:
+                assert response.status_code == 200
+                lines.extend(line for line in response.iter_lines() if line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(1.5)  # past the body deadline, the request still waiting for the engine
+        gated.gate.set()
+        reader.join(timeout=60)
+        assert lines and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines

@@ -169,3 +169,16 @@ def test_a_numerically_equal_twin_in_a_faster_engine_is_not_refused_for_accuracy
         SelectConfig(),
     )
     assert verdict.evidence["ppl_ratio_vs_champion_ci"][0] > 1.0 and verdict.passed
+
+
+def test_no_request_within_the_slo_is_no_evidence_and_moves_nothing():
+    """Under the serving objective with an SLO, a model whose goodput is zero in a trial gives no ratio: refused."""
+    champion_score, challenger = score("production-v1", 1.0, 100), score("fast", 1.0, 300)
+    zero = [replace(t, served=[served(100.0, goodput=0.0)]) for t in trials(STEADY)]
+    some = [replace(t, served=[served(300.0, goodput=2.0)]) for t in trials(STEADY)]
+    board = board_with(champion_score, challenger)
+    board = replace(board, objective="serving")
+    verdict = judge(
+        board, Champion("1", "production-v1", None, zero), some, SelectConfig(objective="serving")
+    )
+    assert not verdict.passed and "serving ×" in verdict.reason
