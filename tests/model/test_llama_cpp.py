@@ -123,3 +123,35 @@ def _architecture(path) -> str:
 
     field = GGUFReader(str(path)).fields["general.architecture"]
     return bytes(field.parts[field.data[0]]).decode()
+
+
+def test_every_llama_cpp_computation_runs_on_one_thread_whoever_calls(tiny_engine_dir, monkeypatch):
+    """llama.cpp's CPU backend keeps a team of OpenMP workers per calling thread; once two threads had computed,
+    the second's steps took ~2.8x as long (the server's worker after a warm-up on the main thread). So generation
+    on this thread and a batch decoder's steps on another both run on the engine's one compute thread."""
+    import threading
+
+    from tasks.engines.llama_cpp import llama_cpp_module
+
+    runtime = load_runtime(tiny_engine_dir("llama.cpp"), threads=1)
+    lib, threads = llama_cpp_module(), []
+    decode = lib.llama_decode
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return decode(*args)
+
+    monkeypatch.setattr(lib, "llama_decode", recorded)
+    prompt = runtime.encode("The river walks the stone")
+    runtime.generate([prompt], 3, stop_at_eos=False)
+
+    def steps() -> None:
+        decoder = runtime.batch_decoder()
+        sequence, logits = decoder.add(prompt)
+        decoder.step({sequence: int(logits.argmax())})
+        decoder.remove(sequence)
+
+    worker = threading.Thread(target=steps, name="scheduler-like")
+    worker.start()
+    worker.join(timeout=60)
+    assert len(threads) >= 5 and len(set(threads)) == 1 and threads[0].startswith("llmopt-llama.cpp")
