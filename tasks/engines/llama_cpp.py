@@ -251,9 +251,8 @@ class LlamaCppBatchDecoder(BatchDecoder):
     same tokens at the same positions have the same keys and values, so the answer does not change. With
     `retain_tokens`, a leaving sequence keeps its cells (and its seq_id) for later newcomers while the cells are not
     needed: the least recently used go first when the running sequences' next tokens need the room (the server
-    admits requests against all the cells, `kv_tokens`, so a kept sequence never keeps a request out). Cells are
-    not enlarged for them: every step's attention reads the cache's cells in use, so a larger cache would slow
-    every step (served to one client, p95 time per token was 26.7 ms at 8 192 cells, 31.8 ms at 12 288)."""
+    admits requests against all the cells, `kv_tokens`, so a kept sequence never keeps a request out). The context
+    is not enlarged for them (its KV memory is allocated whole when it is made)."""
 
     chunked_prefill = True  # prompts' slices and the running sequences' tokens go into one llama_decode
     verifies = True  # several positions of one sequence in one llama_decode, cells removed on rewind
