@@ -22,13 +22,7 @@ from flows.progress import progress_bar, run_progress
 from flows.retries import IO_RETRIES
 from tasks.config import Config, VariantConfig, is_peer_recipe
 from tasks.decide.registry import RegisteredVersion, fetch_version
-from tasks.decide.select import (
-    Leaderboard,
-    build_leaderboard,
-    evaluation_accuracy,
-    served_metrics,
-    variant_score,
-)
+from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
@@ -41,7 +35,7 @@ from tasks.measure.benchmark import (
 )
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
 from tasks.measure.fingerprint import git_commit, machine_fingerprint
-from tasks.measure.served import ServedPlan, served_plan
+from tasks.measure.served import ServedPlan, served_metrics, served_plan
 from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
@@ -360,7 +354,9 @@ def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_
                     prompt_text,
                     measured.space,
                     False,
-                    measured.served,
+                    measured.served
+                    if config.select.objective == "serving"
+                    else None,  # what the duel compares
                 )
                 result, span = on_benchmark_worker(benchmark_task.submit(*args))
                 measured.trials[name].append(result)

@@ -17,7 +17,7 @@ from tasks.engines.manifest import VariantManifest
 from tasks.errors import ComparisonError
 from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
 from tasks.measure.evaluate import VariantEvaluation
-from tasks.measure.served import LevelResult
+from tasks.measure.served import LevelResult, served_metrics
 from tasks.measure.speculation import StyleSpeed
 
 
@@ -242,23 +242,6 @@ class Leaderboard:
 
 
 NOT_MEASURED = "–"  # a cell the row's (short) benchmark did not measure comparably
-
-
-def served_metrics(levels: tuple[LevelResult, ...] | list[LevelResult]) -> dict[str, float]:
-    """A model's served capacity as flat numbers, per client count: tok/s, TTFT p50/p95, TPOT p95 and goodput
-    (where an SLO was set)."""
-    metrics = {}
-    for level in levels:
-        n = level.concurrency
-        metrics |= {
-            f"served_tok_s_c{n}": round(level.tok_s, 2),
-            f"served_ttft_p50_ms_c{n}": round(level.ttft_p50_ms, 1),
-            f"served_ttft_p95_ms_c{n}": round(level.ttft_p95_ms, 1),
-            f"served_tpot_p95_ms_c{n}": round(level.tpot_p95_ms, 2),
-        }
-        if level.goodput_rps == level.goodput_rps:
-            metrics[f"served_goodput_rps_c{n}"] = round(level.goodput_rps, 3)
-    return {key: value for key, value in metrics.items() if value == value}  # nan: not measurable (one token)
 
 
 def served_top(board: Leaderboard) -> int | None:

@@ -49,7 +49,9 @@ Engines subclass `Runtime` and implement `score`, `_generate_batch`, `batch_deco
 from __future__ import annotations
 
 import abc
+import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tasks.engines.manifest import VariantManifest
@@ -238,3 +240,52 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
 def cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:
     """A finished sequence in a batch keeps being padded; keep it up to and including its end-of-sequence token."""
     return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+class RetainedPrefixes:
+    """Finished sequences a batch decoder keeps for prefix reuse, least recently used first: each under a key of
+    the engine's (llama.cpp: its seq_id), with its tokens and whatever the engine holds for it (ONNX: a copy of its
+    keys and values); `forget(key)` frees what the engine holds when one goes. A newcomer that holds all of a kept
+    one's tokens and more replaces it."""
+
+    def __init__(self, forget: Callable[[Any], None] = lambda key: None) -> None:
+        self._kept: collections.OrderedDict[Any, tuple[list[int], Any]] = collections.OrderedDict()
+        self._forget = forget
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._kept
+
+    def __bool__(self) -> bool:
+        return bool(self._kept)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(tokens) for tokens, _ in self._kept.values())
+
+    def keys(self) -> list[Any]:
+        return list(self._kept)
+
+    def held(self) -> list[tuple[Any, list[int]]]:
+        """(key, tokens) of every kept sequence."""
+        return [(key, tokens) for key, (tokens, _) in self._kept.items()]
+
+    def use(self, key: Any) -> Any:
+        """What the engine holds for `key`, which becomes the last to go."""
+        self._kept.move_to_end(key)
+        return self._kept[key][1]
+
+    def keep(self, key: Any, tokens: list[int], value: Any, budget: int) -> None:
+        """Keep a leaving sequence, then forget the least recently used until `budget` tokens are kept at most."""
+        for other, (kept, _) in list(self._kept.items()):
+            if len(kept) <= len(tokens) and tokens[: len(kept)] == kept:
+                del self._kept[other]
+                self._forget(other)
+        self._kept[key] = (tokens, value)
+        while self.tokens > budget:
+            self.drop_oldest()
+
+    def drop_oldest(self) -> Any:
+        """Forget the least recently used; its key."""
+        key, _ = self._kept.popitem(last=False)
+        self._forget(key)
+        return key

@@ -7,7 +7,6 @@ lengths step together exactly: llama.cpp's attention mask keeps every sequence t
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import ctypes
 import threading
@@ -16,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, Runtime, common_prefix, next_token_nll
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, common_prefix, next_token_nll
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ArtifactError, EngineError
 
@@ -261,8 +260,8 @@ class LlamaCppBatchDecoder(BatchDecoder):
         self._context, self._runtime = context, runtime  # the runtime owns the model the context uses
         self.kv_tokens = context.cells
         self._context.clear()
-        # finished sequences kept for prefix reuse, least recently used first: llama.cpp seq_id → their tokens
-        self._retained: collections.OrderedDict[int, list[int]] = collections.OrderedDict()
+        # finished sequences kept for prefix reuse, by their llama.cpp seq_id (their cells stay tagged with it)
+        self._retained = RetainedPrefixes(self._context.forget)
         self._slots: dict[int, int] = {}  # sequence id → llama.cpp seq_id
         self._lengths: dict[int, int] = {}
         self._tokens: dict[int, list[int]] = {}  # what each sequence's cells hold, position by position
@@ -277,21 +276,21 @@ class LlamaCppBatchDecoder(BatchDecoder):
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
         """A new sequence; with `prompt`, holding already the longest start of it another sequence holds (at
         most all but its last token). (its id, how many of the prompt's tokens it holds)."""
-        free = sorted(set(range(self._context.sequences)) - set(self._slots.values()) - set(self._retained))
+        free = sorted(
+            set(range(self._context.sequences)) - set(self._slots.values()) - set(self._retained.keys())
+        )
         if not free and self._retained:  # a kept sequence gives its seq_id up (the least recently used)
-            slot, _ = self._retained.popitem(last=False)
-            self._context.forget(slot)
-            free = [slot]
+            free = [self._retained.drop_oldest()]
         if not free:
             raise ValueError(f"the decoder already steps {self._context.sequences} sequences")
         shared, source = 0, None
-        held_by = [(self._slots[s], held) for s, held in self._tokens.items()] + list(self._retained.items())
+        held_by = [(self._slots[s], held) for s, held in self._tokens.items()] + self._retained.held()
         for slot, held in held_by if self.reuse_prefixes else ():
             length = common_prefix(held, prompt or [], limit=len(prompt or []) - 1)
             if length > shared:
                 shared, source = length, slot
         if source in self._retained:
-            self._retained.move_to_end(source)  # used: the last to go
+            self._retained.use(source)  # the last to go
         self._next_id += 1
         sequence = self._next_id
         self._slots[sequence], self._lengths[sequence], self._tokens[sequence] = free[0], 0, []
@@ -371,11 +370,8 @@ class LlamaCppBatchDecoder(BatchDecoder):
         """Forget kept finished sequences, least recently used first, until the sequences in the cache and
         `incoming` more tokens fit its cells (counting shared cells twice: never too few)."""
         used = sum(self._lengths.values()) + incoming
-        kept = sum(len(held) for held in self._retained.values())
-        while self._retained and used + kept > self._context.cells:
-            slot, held = self._retained.popitem(last=False)
-            self._context.forget(slot)
-            kept -= len(held)
+        while self._retained and used + self._retained.tokens > self._context.cells:
+            self._retained.drop_oldest()
 
     def remove(self, sequence: int) -> None:
         slot, tokens = self._slots.pop(sequence), self._tokens.pop(sequence)
@@ -385,16 +381,7 @@ class LlamaCppBatchDecoder(BatchDecoder):
             self._filling.discard(sequence)
             self._context.forget(slot)
             return
-        for kept, held in list(self._retained.items()):
-            if len(held) <= len(tokens) and tokens[: len(held)] == held:
-                del self._retained[kept]  # the leaving one holds all it held, and more
-                self._context.forget(kept)
-        self._retained[slot] = tokens
-        total = sum(len(held) for held in self._retained.values())
-        while total > room:
-            kept, held = self._retained.popitem(last=False)
-            self._context.forget(kept)
-            total -= len(held)
+        self._retained.keep(slot, tokens, None, room)
 
 
 def _room_for(tokens: int) -> int:

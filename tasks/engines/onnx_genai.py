@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import collections
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, Runtime, common_prefix, next_token_nll
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, common_prefix, next_token_nll
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ArtifactError
 
@@ -152,11 +151,8 @@ class OrtBatchDecoder(BatchDecoder):
         self._next_id = 0
         self._tokens: list[list[int]] = []  # what each row's cache holds, position by position
         self._partial: dict[int, tuple[list[int], list[np.ndarray]]] = {}  # opened: (tokens in, their K/V)
-        # finished sequences kept for prefix reuse, least recently used first: (tokens, per cache input its K/V
-        # [kv_heads, tokens, head_size]); at most `retain_tokens` tokens in all
-        self._retained: collections.OrderedDict[int, tuple[list[int], list[np.ndarray]]] = (
-            collections.OrderedDict()
-        )
+        # finished sequences kept for prefix reuse: per cache input a copy of its K/V [kv_heads, tokens, head_size]
+        self._retained = RetainedPrefixes()
         self.reused_tokens = 0  # prompt tokens copied from another row's cache instead of computed
 
     @property
@@ -205,7 +201,7 @@ class OrtBatchDecoder(BatchDecoder):
             length = common_prefix(held, prompt, limit=len(prompt) - 1)
             if length > shared:
                 shared, source = length, row
-        for key, (held, _) in self._retained.items() if self.reuse_prefixes else ():
+        for key, held in self._retained.held() if self.reuse_prefixes else ():
             length = common_prefix(held, prompt, limit=len(prompt) - 1)
             if length > shared:
                 shared, kept = length, key
@@ -214,8 +210,7 @@ class OrtBatchDecoder(BatchDecoder):
             return [], [empty for _ in self._past]
         self.reused_tokens += shared
         if kept is not None:
-            self._retained.move_to_end(kept)  # used: the last to go
-            cache = [np.ascontiguousarray(kv[None, :, :shared]) for kv in self._retained[kept][1]]
+            cache = [np.ascontiguousarray(kv[None, :, :shared]) for kv in self._retained.use(kept)]
         else:
             cache = [np.ascontiguousarray(kv[source : source + 1, :, :shared]) for kv in self._cache]
         return list(prompt[:shared]), cache
@@ -226,18 +221,9 @@ class OrtBatchDecoder(BatchDecoder):
         tokens, held = self._tokens[row], int(self._lengths[row])
         if not self.reuse_prefixes or not 1 < held <= self.retain_tokens:
             return
-        for key, (kept, _) in list(self._retained.items()):
-            if len(kept) <= held and tokens[: len(kept)] == kept:
-                del self._retained[key]  # this one holds all it held, and more
         self._next_id += 1
-        self._retained[self._next_id] = (
-            tokens[:held],
-            [store[row, :, :held].copy() for store in self._store],
-        )
-        total = sum(len(kept) for kept, _ in self._retained.values())
-        while total > self.retain_tokens:
-            _, (kept, _) = self._retained.popitem(last=False)
-            total -= len(kept)
+        copies = [store[row, :, :held].copy() for store in self._store]
+        self._retained.keep(self._next_id, tokens[:held], copies, self.retain_tokens)
 
     def _extend(self, sequence: int, chunk: list[int]) -> Any:
         """Run `chunk` after what the opened `sequence` holds, in its own call; the logits after its last token."""

@@ -89,6 +89,29 @@ class LevelResult:
         return self.goodput_rps if self.goodput_rps == self.goodput_rps else self.tok_s
 
 
+def served_metrics(levels: tuple[LevelResult, ...] | list[LevelResult]) -> dict[str, float]:
+    """A model's served capacity as flat numbers, per client count (`served_tok_s_c16`, …), as metrics.json, the
+    metrics suite and MLflow take them; goodput only where an SLO was set."""
+    fields = {
+        "tok_s": 2,
+        "requests_s": 3,
+        "ttft_p50_ms": 1,
+        "ttft_p95_ms": 1,
+        "tpot_p95_ms": 2,
+        "e2e_p95_ms": 1,
+    }
+    metrics = {}
+    for level in levels:
+        values = {name: getattr(level, name) for name in fields} | {"goodput_rps": level.goodput_rps}
+        digits = fields | {"goodput_rps": 3}
+        metrics |= {
+            f"served_{name}_c{level.concurrency}": round(value, digits[name])
+            for name, value in values.items()
+            if value == value  # nan: not measured (no SLO, or answers of one token)
+        }
+    return metrics
+
+
 def request_set(passages: list[str], cfg: LoadtestConfig, server_cap: int) -> list[LoadRequest]:
     """The same requests for every level and every run with this seed: N words of a passage (N drawn from
     `prompt_words`; its first ones, or from a random word on with `prompt_start: anywhere`) and a budget drawn

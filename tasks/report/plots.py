@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.decide.select import Leaderboard
+from tasks.decide.select import Leaderboard, served_top
 
 
 def tradeoff_plot(board: Leaderboard, path: Path) -> Path:
@@ -69,12 +69,11 @@ def tradeoff_plot(board: Leaderboard, path: Path) -> Path:
     axes.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     batch = "largest batch, all sequences" if board.objective == "throughput" else "batch 1"
     axes.set_xlabel(f"decode tokens/s ({batch}, log scale)")
-    top = max(
-        (level for r in rows for level in r.score.served), key=lambda level: level.concurrency, default=None
-    )
-    if board.objective == "serving" and top is not None:
-        measure = "requests/s within the SLO" if top.goodput_rps == top.goodput_rps else "generated tokens/s"
-        axes.set_xlabel(f"served {measure} ({top.concurrency} clients, log scale)")
+    clients = served_top(board)
+    if board.objective == "serving" and clients is not None:
+        slo = any(r.score.top_served().goodput_rps == r.score.top_served().goodput_rps for r in rows)
+        measure = "requests/s within the SLO" if slo else "generated tokens/s"
+        axes.set_xlabel(f"served {measure} ({clients} clients, log scale)")
     axes.set_ylabel(f"perplexity ÷ {board.baseline} ({board.confidence:.0%} CI)")
     axes.set_title("Speed vs accuracy: up-left is worse, down-right is better")
     axes.legend(loc="upper left")

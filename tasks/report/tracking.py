@@ -19,6 +19,7 @@ from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
+from tasks.measure.served import served_metrics
 from tasks.report.plots import precision_plot
 from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 from tasks.techniques import registry
@@ -254,27 +255,12 @@ def log_variant_run(
     return run.info.run_id
 
 
-SERVED_FIELDS = (
-    "tok_s",
-    "requests_s",
-    "ttft_p50_ms",
-    "ttft_p95_ms",
-    "tpot_p95_ms",
-    "e2e_p95_ms",
-    "goodput_rps",
-)
-
-
 def _served_metrics(bench: BenchmarkResult) -> dict[str, float]:
-    """Served capacity per client count, keyed as the load test keys its levels (`served.c16.tok_s`, …)."""
-    metrics = {
-        f"served.c{level.concurrency}.{name}": getattr(level, name)
-        for level in bench.served or ()
-        for name in SERVED_FIELDS
-    }
+    """Served capacity per client count (the leaderboard's names), and the serving decoder's peak memory."""
+    metrics = served_metrics(bench.served or ())
     if bench.served_peak_rss_mb is not None:
         metrics["served_peak_rss_mb"] = bench.served_peak_rss_mb
-    return {key: value for key, value in metrics.items() if value == value}  # nan: not measured
+    return metrics
 
 
 def _mixed_precision_metrics(plan: dict[str, Any]) -> dict[str, float]:
