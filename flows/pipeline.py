@@ -242,7 +242,11 @@ def report_run(
         get_run_logger().warning(f"run report not written: {exc}")
         files = [Path(f"(not written: {exc})")]
     ui, how = ui_base()
+    failed = [
+        f"Failed, left out of this run: {name}: {why}" for name, why in outcome.leaderboard.failed.items()
+    ]
     return (
+        *failed,
         f"Report: {files[0]} (also in MLflow, run {parent_id[:8]}, reports/)",
         f"Time: {clock.line()}",
         f"Compare in the MLflow UI ({how}): {experiment_url(ui, facts.run.experiment_id)}",

@@ -3,7 +3,7 @@ evaluate, benchmark every variant) and the rank-and-report tail (validate, rank,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from tasks.config import Config, VariantConfig, is_peer_recipe
 from tasks.decide.registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
+from tasks.errors import ArtifactError, EngineError
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
@@ -39,7 +40,7 @@ from tasks.measure.served import ServedPlan, served_metrics, served_plan
 from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
-from tasks.report.tracking import ParentRun, log_reports, log_variant_run
+from tasks.report.tracking import ParentRun, log_failed_variant_run, log_reports, log_variant_run
 from tasks.techniques.optimize import build_variant, plain_twin
 
 
@@ -197,6 +198,26 @@ def fetch_version_task(config: Config, version: RegisteredVersion, dest: Path) -
 
 
 @dataclass(frozen=True)
+class FailedVariant:
+    """A variant of the run whose artifact its engine refused (a GGUF or ONNX file that parses wrong though its
+    bytes match their hash): left out of the ranking, the run goes on with the others."""
+
+    manifest: VariantManifest
+    stage: str  # where it failed: evaluate or benchmark
+    message: str  # the file and the engine's own words
+
+
+# what a variant's artifact failing in its engine raises; anything else (a bug, a full disk) stops the run
+ENGINE_REFUSALS = (ArtifactError, EngineError)
+
+
+def may_fail_alone(config: Config, name: str, stand_ins: dict[str, str]) -> bool:
+    """Whether the run can go on without `name`: a variant of this run, neither the baseline (everyone's
+    reference) nor the stand-in of a registered version (the champion must be measured)."""
+    return name in config.variants and name != config.select.baseline and name not in stand_ins.values()
+
+
+@dataclass(frozen=True)
 class Measurements:
     """Every model's manifest, evaluation and benchmark trials, measured on one machine in one run."""
 
@@ -212,6 +233,7 @@ class Measurements:
     spans: list[Span]  # every task of the run: what ran where, when
     space: Workspace  # where the folders' bytes are
     served: ServedPlan | None = None  # the served-capacity plan every selectable model was measured with
+    failed: dict[str, FailedVariant] = field(default_factory=dict)  # built, but its engine could not run it
 
     def chosen(self, name: str) -> BenchmarkResult:
         """The trial reported for `name`: the one with the median batch-1 decode speed."""
@@ -270,10 +292,18 @@ def measure_variants(
                 )
             logger.info(f"{label} is measured as {stand_ins[label]}")
         built = {name: builds[name].result() for name in order} | fetched  # the barrier: nothing runs ...
-        done = {name: future.result() for name, future in evaluations.items()}
+        done, failed = {}, {}
+        for name, future in evaluations.items():
+            try:
+                done[name] = future.result()
+            except ENGINE_REFUSALS as exc:
+                if not may_fail_alone(config, name, stand_ins):
+                    raise
+                failed[name] = FailedVariant(built[name].manifest, "evaluate", str(exc))
+                logger.warning(f"{name} failed and is left out of this run: {exc}")
         spans = [b.span for b in built.values() if b.span] + [e.span for e in done.values()]
-        manifests = {name: b.manifest for name, b in built.items()}
-        folders = {name: b.stored for name, b in built.items()}
+        manifests = {name: b.manifest for name, b in built.items() if name not in failed}
+        folders = {name: b.stored for name, b in built.items() if name not in failed}
         evaluated = {name: e.evaluation for name, e in done.items()}
         short = outside_budget(config, manifests, evaluated, exclude=set(stand_ins.values()))
         if short:
@@ -290,12 +320,19 @@ def measure_variants(
             logger.info(f"memory read bandwidth {bandwidth:.1f} GB/s (the roofline for decode speed)")
             results: dict[str, list[BenchmarkResult]] = {name: [] for name in manifests}
             for trial in range(trials):
-                for name in manifests:
-                    result, span = on_benchmark_worker(
-                        benchmark_task.submit(
-                            name, folders[name], config, texts[0], space, name in short, served[name]
+                for name in [n for n in manifests if n not in failed]:
+                    try:
+                        result, span = on_benchmark_worker(
+                            benchmark_task.submit(
+                                name, folders[name], config, texts[0], space, name in short, served[name]
+                            )
                         )
-                    )
+                    except ENGINE_REFUSALS as exc:
+                        if not may_fail_alone(config, name, stand_ins):
+                            raise
+                        failed[name] = FailedVariant(manifests[name], "benchmark", str(exc))
+                        logger.warning(f"{name} failed and is left out of this run: {exc}")
+                        continue
                     results[name].append(result)
                     spans.append(span)
                     perplexity = done[name].evaluation.perplexity.perplexity
@@ -305,9 +342,20 @@ def measure_variants(
     check_benchmarks_clean(str(fingerprint["hash"]), spans, BENCHMARK_RESOURCE)
     for span in spans:
         clock.add(span.kind if span.kind != "bandwidth" else "benchmark", span.seconds)
-    evaluated = {name: e.evaluation for name, e in done.items()}
+    evaluated = {name: e.evaluation for name, e in done.items() if name not in failed}
+    kept = [name for name in manifests if name not in failed]
     return Measurements(
-        manifests, evaluated, results, bandwidth, folders, stand_ins, fingerprint, spans, space, plan
+        {name: manifests[name] for name in kept},
+        evaluated,
+        {name: results[name] for name in kept},
+        bandwidth,
+        {name: folders[name] for name in kept},
+        stand_ins,
+        fingerprint,
+        spans,
+        space,
+        plan,
+        failed,
     )
 
 
@@ -393,7 +441,8 @@ def rank_and_report(
     names = [n for n in m.manifests if n not in fetched or paired_with_baseline(config, m, n)]
     scores = [variant_score(n, m.manifests[n], m.evaluations[n], m.chosen(n), m.bandwidth_gbs) for n in names]
     validate_metrics_table([asdict(score) | served_metrics(score.served) for score in scores], names)
-    board = build_leaderboard(scores, config.select)
+    failed = {name: f"{f.message} (in {f.stage})" for name, f in m.failed.items()}
+    board = replace(build_leaderboard(scores, config.select), failed=failed)
     reports = write_reports(board, out_dir) + list(extra_reports)
     fingerprint_hash = str(m.fingerprint["hash"])  # every model of the run was measured on this machine
     runs = {
@@ -407,6 +456,10 @@ def rank_and_report(
         )
         for name in names
     }
+    for failure in m.failed.values():
+        log_failed_variant_run(
+            run.experiment_id, run.run_id, failure.manifest, failure.stage, failure.message
+        )
     metrics = {"memory_read_bandwidth_gbs": m.bandwidth_gbs, **(run_metrics or {})}
     log_reports(run.run_id, board, reports, runs, metrics)
     return board, runs

@@ -19,6 +19,7 @@ from serving.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, DEFAULT_STEP_TOKENS, 
 from serving.text import RequestError
 from tasks.config import ServeConfig
 from tasks.engines import Runtime
+from tasks.errors import ArtifactError
 
 log = logging.getLogger("llmopt.serve")
 
@@ -156,7 +157,11 @@ def load_version(
     scratch = tempfile.TemporaryDirectory(prefix=f"llmopt-serve-v{version}-")
     try:
         folder = download_verified(model_name, version, Path(scratch.name))
-        runtime = load_runtime(folder, threads, device, tensor_parallel)
+        try:
+            runtime = load_runtime(folder, threads, device, tensor_parallel)
+        except ArtifactError as exc:  # bytes as registered, yet the engine refuses them: name the version
+            said = str(exc).replace(f"{folder}/", "").replace(str(folder), "").lstrip(": ")
+            raise ArtifactError(f"{model_name} v{version}: {said}") from exc
     except BaseException:
         scratch.cleanup()
         raise

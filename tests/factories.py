@@ -112,3 +112,22 @@ TINY_ENGINE_RECIPES = {
     "onnxruntime-genai": {"steps": [{"onnx_genai": {"precision": "fp32"}}]},
     "llama.cpp": {"steps": [{"llama_cpp": {"type": "F32"}}]},
 }
+
+
+def damage_as_hashed(folder: Path, name: str, keep: float = 0.5) -> Path:
+    """Cut `name` in a variant folder to its first `keep` share of bytes and record the cut file's hash in the
+    manifest, as an export that wrote a truncated file and then hashed what it wrote would: the folder passes its
+    integrity check, and only the engine can tell. Returns the damaged file."""
+    import json
+
+    from tasks.engines.manifest import MANIFEST_FILE
+    from tasks.local_files import combined_sha256, file_hashes
+
+    path = folder / name
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    hashes = file_hashes(folder, exclude=(MANIFEST_FILE,))
+    manifest.update(content_hash=combined_sha256(hashes), files=hashes)
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return path

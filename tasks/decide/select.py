@@ -7,7 +7,7 @@ import csv
 import io
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tasks.config import SelectConfig, is_peer_recipe
@@ -128,6 +128,9 @@ class Leaderboard:
     confidence: float
     objective: Objective = "latency"
     reason: str = ""  # why the winner won, or why nothing did
+    failed: dict[str, str] = field(
+        default_factory=dict
+    )  # variant → why its engine could not run it (not ranked)
 
     def row(self, variant: str) -> LeaderboardRow:
         return next(r for r in self.rows if r.score.variant == variant)
@@ -218,7 +221,16 @@ class Leaderboard:
         legend = self.legend()
         verdict = f"Winner: **{self.winner}**" if self.winner else "No winner"
         text = "\n".join(lines) + f"\n\n{legend}.\n\n{verdict} ({self.reason}; reference: {self.baseline}).\n"
-        return text + self.speculation_markdown()
+        return text + self.failed_markdown() + self.speculation_markdown()
+
+    def failed_markdown(self) -> str:
+        """The variants the run built but could not measure, each with its engine's refusal ('' when none)."""
+        if not self.failed:
+            return ""
+        lines = [f"- **{name}**: {why}" for name, why in sorted(self.failed.items())]
+        return (
+            "\nFailed, left out of the ranking (the run went on without them):\n\n" + "\n".join(lines) + "\n"
+        )
 
     def speculation_markdown(self) -> str:
         """The speculative variants' own measurement: each prompt style generated with and without speculation

@@ -7,8 +7,10 @@ lengths step together exactly: llama.cpp's attention mask keeps every sequence t
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,10 @@ UBATCH = 512  # tokens llama.cpp computes at once (its default; bounds the compu
 
 _init_lock = threading.Lock()
 _quiet_callback: Any = None  # kept referenced: llama.cpp calls it for the life of the process
+_ERROR = 4  # GGML_LOG_LEVEL_ERROR
+_errors: collections.deque[str] = collections.deque(
+    maxlen=16
+)  # llama.cpp's latest error lines (its log is silent)
 
 
 def llama_cpp_module() -> Any:
@@ -49,7 +55,20 @@ def llama_cpp_module() -> Any:
 
 
 def _quiet(level: int, text: bytes, user_data: Any) -> None:
-    return None
+    if level == _ERROR:
+        _errors.append(text.decode(errors="replace").strip())
+
+
+def engine_says() -> str:
+    """llama.cpp's first error line since the last call, without its function name: its own words for why a
+    file did not load ("invalid magic characters: 'XXXX', expected 'GGUF'", "tensor 'token_embd.weight' data is
+    not within the file bounds, model is corrupted or incomplete"); '' when it logged none."""
+    lines = [line for line in list(_errors) if line]
+    _errors.clear()
+    if not lines:
+        return ""
+    first = re.sub(r"^\w+: ", "", lines[0])
+    return re.sub(r"^error loading model: ", "", first)
 
 
 class GgufModel:
@@ -59,11 +78,11 @@ class GgufModel:
         self._lib = llama_cpp_module()
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        engine_says()  # forget what earlier calls logged
         self.pointer = self._lib.llama_model_load_from_file(str(path).encode(), params)
         if not self.pointer:
-            raise ArtifactError(
-                f"{path}: llama.cpp cannot load this GGUF file (damaged or an unknown format)"
-            )
+            said = engine_says() or "damaged or an unknown format"
+            raise ArtifactError(f"{path}: llama.cpp cannot load this GGUF file: {said}")
         self.n_vocab = self._lib.llama_vocab_n_tokens(self._lib.llama_model_get_vocab(self.pointer))
         self.n_ctx_train = int(self._lib.llama_model_n_ctx_train(self.pointer))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ class OrtGenAIRuntime(Runtime):
         try:
             self.model = og.Model(config)
         except Exception as exc:  # onnxruntime_genai raises plain RuntimeError/OrtException subclasses
-            raise ArtifactError(f"{folder}: cannot load the ONNX model ({str(exc).splitlines()[0]})") from exc
+            raise ArtifactError(f"{folder}: ONNX Runtime cannot load this model: {engine_says(exc)}") from exc
         self._og = og
         self._folder, self._threads = folder, threads
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][
@@ -105,6 +106,16 @@ class OrtSequence:
             self.length = length
 
 
+def engine_says(exc: BaseException) -> str:
+    """ONNX Runtime's own words for why a model did not load, without the C++ signatures and source positions it
+    wraps them in ("Load model from …/model.onnx failed:Protobuf parsing failed.", "External initializer:
+    lm_head.MatMul.weight_Q8 offset: … are out of bounds or can not be read in full.")."""
+    text = str(exc).strip() or type(exc).__name__
+    text = re.split(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", text)[-1]
+    text = re.sub(r"^\S+\.(?:cc|h|cpp):\d+ \S+ ", "", text.splitlines()[0]).strip()
+    return text if len(text) <= 400 else text[:400] + "…"
+
+
 class OrtBatchDecoder(BatchDecoder):
     """Iteration-level batching on the builder's graph, run by plain ONNX Runtime (ONNX Runtime GenAI's own
     generator takes no new sequences mid-flight and, on CPU, batches only prompts of one length).
@@ -136,8 +147,15 @@ class OrtBatchDecoder(BatchDecoder):
             "session.model_external_initializers_file_folder_path", str(model_path.parent)
         )
         self._ort = ort
-        graph = last_position_logits(model_path)
-        self._session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        try:
+            graph = last_position_logits(model_path)
+            self._session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        except (
+            Exception
+        ) as exc:  # a protobuf DecodeError, ONNX Runtime's Fail/InvalidProtobuf, a missing file
+            raise ArtifactError(
+                f"{model_path}: ONNX Runtime cannot load this model: {engine_says(exc)}"
+            ) from exc
         self._present = [output.name for output in self._session.get_outputs()[1:]]
         self._past = [name.replace("present", "past_key_values") for name in self._present]
         inputs = {item.name: item for item in self._session.get_inputs()}

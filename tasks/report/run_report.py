@@ -168,6 +168,11 @@ def to_html(board: Leaderboard, ctx: ReportContext) -> str:
         if p.is_file()
     )
     every = _html_table(table_columns(board), table_cells(board))
+    if board.failed:
+        items = "".join(
+            f"<li><b>{html.escape(n)}</b>: {html.escape(w)}</li>" for n, w in sorted(board.failed.items())
+        )
+        every += f"<p>Failed, left out of the ranking (the run went on without them):</p><ul>{items}</ul>"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>llmopt — {html.escape(ctx.project)}</title>
 <style>{_STYLE}</style></head><body>

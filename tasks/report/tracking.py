@@ -179,18 +179,8 @@ def log_variant_run(
     from mlflow.entities import Metric, Param
 
     client = MlflowClient()
-    run = client.create_run(
-        experiment_id,
-        run_name=manifest.name,
-        tags={
-            "mlflow.parentRunId": parent_run_id,
-            "llmopt.kind": "variant",
-            "llmopt.variant": manifest.name,
-            "llmopt.fingerprint": fingerprint_hash,
-            "llmopt.benchmark": "short" if bench.short else "full",
-            **process_tags(),
-        },
-    )
+    tags = {"llmopt.fingerprint": fingerprint_hash, "llmopt.benchmark": "short" if bench.short else "full"}
+    run = _create_variant_run(client, experiment_id, parent_run_id, manifest.name, tags)
     params = {**recipe_params(manifest), "fingerprint": fingerprint_hash}
     metrics = {
         "perplexity": evaluation.perplexity.perplexity,
@@ -253,6 +243,31 @@ def log_variant_run(
             client.log_artifact(run.info.run_id, str(picture))
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
+
+
+def log_failed_variant_run(
+    experiment_id: str, parent_run_id: str, manifest: VariantManifest, stage: str, message: str
+) -> str:
+    """A nested run, status FAILED, for a variant its engine could not run: its recipe as params, the stage and
+    the engine's refusal as tags (`llmopt.failure`), its manifest as an artifact; no metrics."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    client = MlflowClient()
+    tags = {"llmopt.failed_stage": stage, "llmopt.failure": message[:5000]}
+    run = _create_variant_run(client, experiment_id, parent_run_id, manifest.name, tags)
+    client.log_batch(
+        run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in recipe_params(manifest).items()]
+    )
+    client.log_dict(run.info.run_id, asdict(manifest), "manifest.json")
+    client.set_terminated(run.info.run_id, "FAILED")
+    return run.info.run_id
+
+
+def _create_variant_run(client: Any, experiment_id: str, parent_run_id: str, name: str, tags: dict[str, str]):
+    """A variant's nested run under the parent, tagged as one (plus `tags`)."""
+    kind = {"mlflow.parentRunId": parent_run_id, "llmopt.kind": "variant", "llmopt.variant": name}
+    return client.create_run(experiment_id, run_name=name, tags={**kind, **tags, **process_tags()})
 
 
 def _served_metrics(bench: BenchmarkResult) -> dict[str, float]:

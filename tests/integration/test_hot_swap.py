@@ -143,6 +143,37 @@ def test_serve_refuses_to_start_on_a_corrupted_production_version(registry_proje
     )
 
 
+def test_serve_refuses_a_production_version_whose_onnx_graph_parses_wrong_though_its_hash_matches(
+    registry_project, tiny_model_dir, tmp_path
+):
+    """An export cut short and hashed as written: the download's hash check passes, ONNX Runtime refuses the
+    graph, and `serve` exits with one line naming the version, the file and ONNX Runtime's own words."""
+    from tasks.config import VariantConfig
+    from tasks.decide.registry import register_variant
+    from tasks.engines.manifest import read_manifest
+    from tasks.inputs.load import PreparedBase
+    from tasks.local_files import folder_sha256
+    from tasks.techniques.optimize import build_variant
+    from tests.factories import damage_as_hashed
+
+    root, client, _ = registry_project
+    folder = tmp_path / "variants" / "onnx_fp32"
+    base = PreparedBase(tiny_model_dir, folder_sha256(tiny_model_dir), "tiny")
+    recipe = VariantConfig.model_validate({"steps": [{"onnx_genai": {"precision": "fp32"}}]})
+    build_variant("onnx_fp32", recipe, base, "data-hash", folder)
+    damage_as_hashed(folder, "model.onnx")
+    run_id = client.create_run(client.get_experiment_by_name("llmopt").experiment_id).info.run_id
+    version = register_variant(MODEL, folder, read_manifest(folder), run_id, {}, "cut short").version
+    client.set_terminated(run_id)
+    client.set_registered_model_alias(MODEL, "production", version)
+    result = run(root, "llmopt", "serve", "--port", str(_free_port()), check=False, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    assert lines[-1].startswith("error:") and f"{MODEL} v{version}" in lines[-1], lines[-1]
+    said = "ONNX Runtime cannot load this model: Load model from model.onnx failed:Protobuf parsing failed."
+    assert lines[-1] == f"error: {MODEL} v{version}: {said}", lines[-1]
+
+
 def _register_corrupted_copy(root: Path, client, version: str) -> str:
     """A new version carrying a copy of `version`'s artifacts with 64 bytes of its weights overwritten (what a
     damaged upload looks like); its tags, content hash included, are the original's."""

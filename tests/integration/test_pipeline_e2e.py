@@ -166,6 +166,39 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(repro_state):
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+def test_a_variant_whose_file_parses_wrong_though_its_hash_matches_fails_alone_and_the_run_goes_on(project):
+    """An export cut short and hashed as written (the folder passes its integrity check and is reused): its first
+    load names the file in ONNX Runtime's words, the run marks it failed (leaderboard, report, a FAILED nested
+    run) and ranks the others."""
+    from tests.factories import damage_as_hashed
+
+    root = project
+    folder = root / ".llmopt" / "variants" / "onnx_int8"
+    damage_as_hashed(folder, "model.onnx")
+    result = run(root, "llmopt", "run")
+    said = f"{folder}: ONNX Runtime cannot load this model: Load model from {folder}/model.onnx failed:"
+    output = result.stdout + result.stderr
+    assert f"Failed, left out of this run: onnx_int8: {said}" in output and "Traceback" not in output, output[
+        -3000:
+    ]
+    board = json.loads((root / ".llmopt" / "reports" / "leaderboard.json").read_text())
+    assert "Protobuf parsing failed" in board["failed"]["onnx_int8"] and board["winner"] != "onnx_int8"
+    assert {row["score"]["variant"] for row in board["rows"]} >= {"baseline", "bf16", "int8_dynamic"}
+    assert "onnx_int8" not in {row["score"]["variant"] for row in board["rows"]}
+    assert "Failed, left out of the ranking" in (root / ".llmopt" / "reports" / "report.html").read_text()
+    client = mlflow_client(root)
+    experiment = client.get_experiment_by_name("llmopt").experiment_id
+    (latest, *_) = client.search_runs(
+        [experiment], "tags.`llmopt.kind` = 'pipeline'", order_by=["start_time DESC"]
+    )
+    assert latest.info.status == "FINISHED"
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{latest.info.run_id}'")
+    failed = [c for c in children if c.info.status == "FAILED"]
+    assert [c.info.run_name for c in failed] == ["onnx_int8"] and not failed[0].data.metrics
+    assert failed[0].data.tags["llmopt.failed_stage"] == "evaluate"
+    assert "Protobuf parsing failed" in failed[0].data.tags["llmopt.failure"]
+
+
 def test_winner_is_registered_with_lineage_and_both_aliases(repro_state):
     root = repro_state
     client = mlflow_client(root)
