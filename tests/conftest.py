@@ -53,7 +53,7 @@ _unexpected_skips: list[str] = []
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--planted-quantizer",
-        choices=["noop", "scramble"],
+        choices=["noop", "scramble", "four_bit"],
         default=None,
         help="build tests/model/test_techniques.py's variants with a broken quantizer (its tests must then fail)",
     )

@@ -6,8 +6,9 @@ engine's own decode path: on this model a quantizer moves held-out NLL by ±0.00
 cannot tell a no-op from a good 8-bit quantizer, while KL is zero only for an unchanged model.
 
 The planted broken quantizers (`noop`: stores the float weights and claims the method; `scramble`: quantizes
-weights it has put in the wrong places, as a packing bug would) are negative controls: the checks must reject both
-(`test_the_checks_reject_a_planted_*`). `pytest --planted-quantizer=noop|scramble tests/model/test_techniques.py`
+weights it has put in the wrong places, as a packing bug would; `four_bit`: rounds to 4 bits, then stores 8) are
+negative controls: the checks must reject both
+(`test_the_checks_reject_a_planted_*`). `pytest --planted-quantizer=noop|scramble|four_bit tests/model/test_techniques.py`
 builds every technique with the broken one and shows the technique tests failing."""
 
 from __future__ import annotations
@@ -101,3 +102,30 @@ def test_the_checks_reject_a_planted_broken_quantizer(
         assert problems and measured.kl < low, failures
     else:  # stored like the real one, but the model is destroyed
         assert measured.kl > high and measured.nll_increase > 0.05, failures
+
+
+# One 8-bit method per way its claim is checked: torch's effective weights (level count), quanto W8A8's stored weights
+# (its outputs are quantized too), and the ONNX and GGUF exports, whose stored bits say 8 either way (the KL band)
+FOUR_BIT_CONTROLS = ["torch_dynamic_int8", "quanto_w8a8", "onnx_int8", "llama_q8_0"]
+
+
+@pytest.mark.parametrize("name", FOUR_BIT_CONTROLS)
+def test_the_eight_bit_checks_reject_a_planted_method_that_rounds_to_four_bits(
+    trained_base, reference, tmp_path, monkeypatch, name
+):
+    """Negative control: an "8-bit" method whose weights were rounded to 4 bits first (one scale per row) stores
+    8-bit numbers all the same; its rows hold at most 16 distinct values, and its KL from fp32 lies above the
+    weight-only 8-bit band."""
+    claim = CLAIMS[name]
+    with planted_quantizer("four_bit", monkeypatch):
+        build_variant(
+            name, VariantConfig.model_validate(claim.recipe), trained_base, "d", tmp_path / name, CALIBRATION
+        )
+    problems, measured = assess(tmp_path / name, claim, reference)
+    failures = claim_failures(claim, problems, measured)
+    print(f"four_bit {name}: {failures}")
+    assert failures
+    if claim.stored == "grid":
+        assert problems and all("distinct values (a 4-bit grid" in problem for problem in problems), problems
+    else:
+        assert measured.kl > claim.kl_band[1], failures
