@@ -7,8 +7,8 @@ cannot tell a no-op from a good 8-bit quantizer, while KL is zero only for an un
 
 The planted broken quantizers (`noop`: stores the float weights and claims the method; `scramble`: quantizes
 weights it has put in the wrong places, as a packing bug would; `four_bit`: rounds to 4 bits, then stores 8) are
-negative controls: the checks must reject both
-(`test_the_checks_reject_a_planted_*`). `pytest --planted-quantizer=noop|scramble|four_bit tests/model/test_techniques.py`
+negative controls: the checks must reject each
+(`test_the_checks_reject_a_planted_*`, `test_the_eight_bit_checks_reject_a_planted_*`). `pytest --planted-quantizer=noop|scramble|four_bit tests/model/test_techniques.py`
 builds every technique with the broken one and shows the technique tests failing."""
 
 from __future__ import annotations
