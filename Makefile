@@ -46,7 +46,7 @@ gpu-check-cpu: install ## the same check on the CPU with a tiny Llama (CI runs i
 	$(BIN)/python infra/gpu_check.py --cpu --tiny --out .llmopt/gpu-check-cpu.json
 
 techniques-table: install ## regenerate the technique table in docs/techniques.md from the technique registry
-	$(VENV)/bin/python -m tasks.techniques.registry docs/techniques.md
+	$(VENV)/bin/python -m tasks.techniques.catalog docs/techniques.md
 
 lint: install ## ruff lint and format check
 	ruff check . && ruff format --check .

@@ -9,10 +9,10 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.stages import benchmark_fingerprint, measure_variants, prepare_inputs, rank_and_report, workdir
-from tasks.config import Config
 from tasks.decide.select import Leaderboard
 from tasks.measure.benchmark import TrialSpread, trial_spread
 from tasks.measure.fingerprint import ensure_comparable
+from tasks.params import Config
 from tasks.report.bench_files import read_previous, spread_metrics, write_bench_files
 from tasks.report.tracking import configure_tracking, parent_run
 

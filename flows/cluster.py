@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.config import Config
+from tasks.params import Config
 from tasks.shared_store import FolderStore
 
 BENCHMARK_RESOURCE = "benchmark"  # Dask worker resource of the machines benchmarks may run on (1 per machine)

@@ -23,7 +23,6 @@ from flows.stages import (
     rank_and_report,
     workdir,
 )
-from tasks.config import Config
 from tasks.decide.gate import Champion, Verdict, judge
 from tasks.decide.history import move_production, record_refusal, recover_unfinished_move
 from tasks.decide.registry import (
@@ -41,6 +40,7 @@ from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.inputs.data import PreparedData, read_split
 from tasks.inputs.load import PreparedBase
+from tasks.params import Config
 from tasks.project_lock import project_lock
 from tasks.report.run_report import ReportContext, write_run_report
 from tasks.report.timeline import Span, write_timeline

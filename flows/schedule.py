@@ -16,9 +16,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from tasks.config import Config
 from tasks.errors import ConfigError, LlmoptError, ServiceError
 from tasks.failpoints import failpoint
+from tasks.params import Config
 from tasks.params_file import load_config
 
 FLOW_NAME = "llmopt-scheduled"

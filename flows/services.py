@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from tasks.config import Config
 from tasks.errors import ServiceError
+from tasks.params import Config
 
 INFRA = Path(__file__).resolve().parents[1] / "infra"
 

@@ -20,7 +20,6 @@ from flows.cluster import (
 )
 from flows.progress import progress_bar, run_progress
 from flows.retries import IO_RETRIES
-from tasks.config import Config, VariantConfig, is_peer_recipe
 from tasks.decide.registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
@@ -37,6 +36,7 @@ from tasks.measure.benchmark import (
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
 from tasks.measure.fingerprint import git_commit, machine_fingerprint
 from tasks.measure.served import ServedPlan, served_metrics, served_plan
+from tasks.params import Config, VariantConfig, is_peer_recipe
 from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock

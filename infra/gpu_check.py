@@ -231,7 +231,7 @@ def _refused(check: Check, device: str) -> str | None:
     """llmopt's pre-flight line for this recipe on `device` (None: `llmopt run` would run it)."""
     import torch
 
-    from tasks.config import Config
+    from tasks.params import Config
     from tasks.targets import target_problems
 
     target = {"device": device, "tensor_parallel": check.ranks}
@@ -247,9 +247,10 @@ def _measure(
 ) -> dict:
     import torch
 
-    from tasks.config import BenchmarkConfig, VariantConfig
+    from tasks.config import BenchmarkConfig
     from tasks.engines import load_runtime
     from tasks.measure.benchmark import benchmark_variant, memory_read_bandwidth_gbs, roofline_fraction
+    from tasks.params import VariantConfig
     from tasks.techniques.optimize import build_variant
 
     started = time.perf_counter()

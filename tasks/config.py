@@ -1,16 +1,15 @@
-"""The typed configuration: params.yaml validated once into a Config object. One job, the schema: every section
-with its defaults and the rules between settings (reading the file and its errors: tasks/params_file.py)."""
+"""The typed configuration's ground floor: every section of params.yaml but the variants' recipes, with its
+defaults and the rules between its settings. It imports nothing of the project but the schema's base, so any module
+can read its settings without loading a technique (the whole params.yaml object, recipes included:
+tasks/params.py; reading the file and its errors: tasks/params_file.py)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, create_model, model_validator
+from pydantic import Field, model_validator
 
 from tasks.schema import Dtype, Former, Strict
-from tasks.techniques import registry
 
 
 class ProjectConfig(Strict):
@@ -140,39 +139,6 @@ class SelectConfig(Strict):
     ppl_tolerance_vs_production: Annotated[float, Field(ge=0.0, le=1.0)] = 0.005
 
 
-class StepBase(Strict):
-    """One recipe step, written as a one-key mapping such as `{quantize: {method: torch_dynamic_int8}}`: one field
-    per registered technique (tasks/techniques/registry.py), exactly one of them set."""
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> StepBase:
-        chosen = [name for name in type(self).model_fields if getattr(self, name) is not None]
-        if len(chosen) != 1:
-            raise ValueError(f"a step names exactly one technique, got {chosen or 'none'}")
-        return self
-
-    @property
-    def kind(self) -> str:
-        return next(name for name in type(self).model_fields if getattr(self, name) is not None)
-
-    @property
-    def settings(self) -> Strict:
-        """The chosen technique's settings."""
-        return getattr(self, self.kind)
-
-    @property
-    def technique(self) -> registry.Technique:
-        return registry.technique(self.kind)
-
-
-Step = create_model(
-    "Step",
-    __base__=StepBase,
-    __module__=__name__,
-    **{name: (entry.settings | None, None) for name, entry in registry.load().items()},
-)
-
-
 class SpeculativeSettings(Strict):
     """Speculative decoding: a proposer guesses up to `tokens` next tokens, the variant's own engine checks them in
     one call and keeps those it would have chosen itself (tasks/engines/speculative.py). `ngram`: prompt lookup,
@@ -289,85 +255,11 @@ class RuntimeSettings(Strict):
         return [name for name in names if name in self.model_fields_set]
 
 
-class VariantConfig(Strict):
-    RECORDED_DEFAULTS = frozenset({"steps", "runtime"})
-    steps: list[Step] = []
-    runtime: RuntimeSettings = RuntimeSettings()
-
-    @model_validator(mode="after")
-    def _steps_compose(self) -> VariantConfig:
-        kinds = [step.kind for step in self.steps]
-        roles = [step.technique.role for step in self.steps]
-        transforms, exports = registry.of_role("transform"), registry.of_role("export")
-        if roles.count("quantize") > 1:
-            raise ValueError("one quantize step per variant (weights cannot be quantized twice)")
-        if "quantize" in roles:
-            quantize = kinds[roles.index("quantize")]
-            if "transform" in roles[roles.index("quantize") :]:
-                raise ValueError(f"{_and(transforms)} work on float weights; put them before {quantize}")
-            if self.runtime.dtype != "float32":
-                raise ValueError(
-                    f"{quantize} steps set their own compute precision; leave runtime.dtype at float32"
-                )
-        for export in (name for name in exports if name in kinds):
-            engine = registry.technique(export).engine_label
-            if kinds.index(export) != len(kinds) - 1 or kinds.count(export) > 1:
-                raise ValueError(f"{export} changes the engine and must be the last step")
-            if "quantize" in roles:
-                raise ValueError(
-                    f"{export} exports a float model; use its own precision instead of torch {kinds[roles.index('quantize')]}"
-                )
-            if roles.count("export") > 1:
-                present = [name for name in exports if name in kinds]
-                raise ValueError(f"{_and(present)} each export the model; a variant has one engine")
-            if self.runtime.dtype != "float32":
-                raise ValueError(f"{export} sets its own precision; leave runtime.dtype at float32")
-            if self.runtime.torch_only():
-                raise ValueError(
-                    f"runtime.{self.runtime.torch_only()[0]} applies to the torch engine; {export} variants "
-                    f"run in {engine} (only runtime.threads applies there)"
-                )
-        if self.peer and len(self.steps) > 1:
-            peer = next(step.kind for step in self.steps if not step.technique.needs_model(step.settings))
-            raise ValueError(f"{peer} {registry.technique(peer).peer_note}; it takes no other steps")
-        return self
-
-    @property
-    def peer(self) -> bool:
-        """The source model's own GGUF as shipped: measured beside the variants, never selected or promoted."""
-        return is_peer_recipe(self.recipe())
-
-    def recipe(self) -> dict[str, Any]:
-        """The recipe as the user wrote it, as plain data (see `Strict.RECORDED_DEFAULTS`)."""
-        return self.recipe_data()
-
-    def recipe_hash(self) -> str:
-        """Content hash of the recipe: same recipe, same hash, whatever the variant is called."""
-        canonical = json.dumps(self.recipe(), sort_keys=True)
-        return hashlib.sha256(canonical.encode()).hexdigest()
-
-
 def _former_wrapper(data: dict[str, Any]) -> dict[str, Any]:
     if "wrapper" in data:
         former = {now: old for old, now in RuntimeSettings.FORMER["engine"].values.items()}
         data["engine"] = former[data.pop("wrapper")]
     return data
-
-
-def is_peer_recipe(recipe: dict[str, Any]) -> bool:
-    """Whether a recorded recipe is the peer row (the source's own model as shipped, `llama_cpp: {type: shipped}`):
-    a step that needs no float model."""
-    for step in recipe.get("steps", []):
-        for name, settings in step.items():
-            read = registry.recorded_settings(name, settings)
-            if read is not None and not read[0].needs_model(read[1]):
-                return True
-    return False
-
-
-def _and(names: list[str]) -> str:
-    """'a', 'a and b', 'a, b and c'."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 class TrackingConfig(Strict):
@@ -545,70 +437,4 @@ class ClusterConfig(Strict):
     def _address_for_dask(self) -> ClusterConfig:
         if self.runner == "local" and self.dask_address is not None:
             raise ValueError("dask_address is set but runner is local (set runner: dask to use the cluster)")
-        return self
-
-
-class Config(Strict):
-    project: ProjectConfig = ProjectConfig()
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
-    benchmark: BenchmarkConfig = BenchmarkConfig()
-    target: TargetConfig = TargetConfig()
-    select: SelectConfig = SelectConfig()
-    variants: dict[str, VariantConfig] = Field(min_length=1)
-    tracking: TrackingConfig = TrackingConfig()
-    serve: ServeConfig = ServeConfig()
-    loadtest: LoadtestConfig = LoadtestConfig()
-    slo: SloConfig | None = (
-        None  # the service-level objective of the load test and of select.objective: serving
-    )
-    schedule: ScheduleConfig = ScheduleConfig()
-    services: ServicesConfig = ServicesConfig()
-    cluster: ClusterConfig = ClusterConfig()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _slo_moved(cls, data: Any) -> Any:
-        """`loadtest.slo` (its former place) is read as the top-level `slo` (tasks.params_file says so)."""
-        loadtest = data.get("loadtest") if isinstance(data, dict) else None
-        if not isinstance(loadtest, dict) or "slo" not in loadtest:
-            return data
-        if data.get("slo") is not None and loadtest["slo"] is not None:
-            raise ValueError("loadtest.slo is the former place of slo; set only the top-level slo")
-        data = {**data, "loadtest": {k: v for k, v in loadtest.items() if k != "slo"}}
-        if data.get("slo") is None:
-            data["slo"] = loadtest["slo"]
-        return data
-
-    @model_validator(mode="after")
-    def _baseline_is_plain(self) -> Config:
-        base = self.variants.get(self.select.baseline)
-        if base is None:
-            raise ValueError(f"select.baseline names {self.select.baseline!r}, which is not in variants")
-        if base.steps or base.runtime.dtype != "float32" or base.runtime.speculative is not None:
-            raise ValueError(
-                f"the baseline variant {self.select.baseline!r} must be fp32 with no steps and no speculation"
-            )
-        for name, variant in self.variants.items():
-            speculative = variant.runtime.speculative
-            if speculative is None or speculative.draft is None:
-                continue
-            draft = self.variants.get(speculative.draft)
-            if draft is None or speculative.draft == name:
-                raise ValueError(
-                    f"variants.{name}.runtime.speculative.draft names {speculative.draft!r}, which is not "
-                    "another variant of params.yaml"
-                )
-            if draft.runtime.speculative is not None:
-                raise ValueError(
-                    f"variants.{name}.runtime.speculative.draft: {speculative.draft} speculates itself; a draft "
-                    "proposes with plain decoding"
-                )
-        if self.select.objective == "serving" and not self.benchmark.served_clients:
-            raise ValueError(
-                "select.objective: serving ranks by served capacity: benchmark.served_clients must not be empty"
-            )
-        if self.services.prefect_worker and self.schedule.work_pool is None:
-            raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self

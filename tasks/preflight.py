@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-from tasks.config import Config, DataConfig, TrackingConfig
+from tasks.config import DataConfig, TrackingConfig
 from tasks.errors import ConfigError, LlmoptError
+from tasks.params import Config
 
 # MLflow stores llmopt has been run against; anything else is refused before work starts.
 TRACKING_SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql")

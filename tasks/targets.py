@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from tasks.config import Config, RuntimeSettings
+from tasks.config import RuntimeSettings
 from tasks.errors import TargetError
+from tasks.params import Config
 
 
 def target_problems(config: Config, cuda_available: bool, cuda_devices: int | None = None) -> list[str]:
@@ -124,14 +125,3 @@ def check_target(config: Config) -> None:
     if problems:
         more = f" (+{len(problems) - 1} more: {'; '.join(problems[1:])})" if len(problems) > 1 else ""
         raise TargetError(f"target {config.target.device}: {problems[0]}{more}")
-
-
-def cuda_capability(device: str) -> tuple[int, int] | None:
-    """The compute capability of the GPU a cuda target names (None where torch sees no such GPU)."""
-    import torch
-
-    index = int(device.partition(":")[2] or 0)
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        return None
-    major, minor = torch.cuda.get_device_capability(index)
-    return major, minor

@@ -10,8 +10,8 @@ import typer
 from flows.cli.app import DebugOption, ParamsOption, app
 from flows.cli.render import print_comparison, print_history, print_leaderboard, print_outcome, print_spread
 from flows.cli.session import CommandSession, console
-from tasks.config import Config
 from tasks.errors import ConfigError, GateError, RegistryError
+from tasks.params import Config
 
 
 @app.command()

@@ -11,8 +11,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from tasks.config import Config
 from tasks.errors import LlmoptError, RegistryError
+from tasks.params import Config
 from tasks.params_file import load_config
 
 console = Console(stderr=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tasks.config import SelectConfig, is_peer_recipe
+from tasks.config import SelectConfig
 from tasks.decide.frontier import Objective, pareto_frontier
 from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
 from tasks.engines.manifest import VariantManifest
@@ -19,6 +19,7 @@ from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.measure.served import LevelResult, served_metrics
 from tasks.measure.speculation import StyleSpeed
+from tasks.params import is_peer_recipe
 
 
 @dataclass(frozen=True)

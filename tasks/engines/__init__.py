@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tasks.engines import llama_cpp, onnx_genai, pytorch, speculative
 from tasks.engines.contract import Runtime
-from tasks.engines.manifest import verify_variant
+from tasks.engines.manifest import same_tokenizer, verify_variant
 from tasks.errors import ArtifactError, TargetError
 
 ENGINES: dict[str, type[Runtime]] = {
@@ -45,5 +45,26 @@ def load_runtime(folder: Path, threads: int, device: str = "cpu", tensor_paralle
 
         return TensorParallelRuntime(folder, manifest, threads, device, tensor_parallel)
     runtime = engine(folder, manifest, threads, device)
-    speculative.attach(runtime, folder, threads, device)
+    attach_speculation(runtime, folder, threads, device)
     return runtime
+
+
+def attach_speculation(runtime: Runtime, folder: Path, threads: int, device: str) -> None:
+    """Give `runtime` its variant's speculation (from its manifest's runtime settings), loading a draft variant
+    from the folder's `draft/` (checked like any variant, and required to share the tokenizer)."""
+    settings = runtime.manifest.runtime_settings().speculative
+    if settings is None:
+        return
+    draft = None
+    if settings.method == "draft":
+        where = Path(folder) / speculative.DRAFT_FOLDER
+        if not where.is_dir():
+            raise ArtifactError(
+                f"{folder}: speculative method draft, but no {speculative.DRAFT_FOLDER}/ folder inside"
+            )
+        if not same_tokenizer(Path(folder), where):
+            raise ArtifactError(
+                f"{where}: the draft's tokenizer differs from the variant's; it cannot propose"
+            )
+        draft = load_runtime(where, threads, device)
+    runtime.speculation = speculative.Speculation(settings, draft)

@@ -20,7 +20,7 @@ p, the variant's own distribution. llmopt's proposers are deterministic (q is on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -267,29 +267,3 @@ class Speculation:
             runtime.eos_token_id if stop_at_eos else None,
             self.stats,
         )
-
-
-def attach(runtime: Runtime, folder: Any, threads: int, device: str) -> None:
-    """Give `runtime` its variant's speculation (from its manifest's runtime settings), loading a draft variant
-    from the folder's `draft/` (checked like any variant, and required to share the tokenizer)."""
-    from pathlib import Path
-
-    from tasks.engines.manifest import same_tokenizer
-    from tasks.errors import ArtifactError
-
-    settings = runtime.manifest.runtime_settings().speculative
-    if settings is None:
-        return
-    draft = None
-    if settings.method == "draft":
-        from tasks.engines import load_runtime
-
-        where = Path(folder) / DRAFT_FOLDER
-        if not where.is_dir():
-            raise ArtifactError(f"{folder}: speculative method draft, but no {DRAFT_FOLDER}/ folder inside")
-        if not same_tokenizer(Path(folder), where):
-            raise ArtifactError(
-                f"{where}: the draft's tokenizer differs from the variant's; it cannot propose"
-            )
-        draft = load_runtime(where, threads, device)
-    runtime.speculation = Speculation(settings, draft)

@@ -22,6 +22,7 @@ from pathlib import Path
 from tasks.config import BenchmarkConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.failpoints import failpoint
+from tasks.measure.sampling import median_interval, repeat_to_length
 from tasks.measure.served import LevelResult, ServedPlan, served_capacity
 from tasks.measure.speculation import StyleSpeed, measure_speculation
 
@@ -157,25 +158,6 @@ def percentiles(values: list[float]) -> dict[str, float]:
     import numpy as np
 
     return {f"p{q}": float(np.percentile(values, q)) for q in (50, 95, 99)}
-
-
-def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """Distribution-free interval for the median from order statistics: the narrowest symmetric pair
-    (x_(k), x_(n-k+1)) whose binomial coverage reaches `confidence`, else min–max; returns (low, high, coverage)."""
-    from math import comb
-
-    ordered, n = sorted(values), len(values)
-    best = (ordered[0], ordered[-1], 1 - 2 * 0.5**n)
-    for k in range(1, n // 2 + 1):
-        coverage = 1 - 2 * sum(comb(n, i) for i in range(k)) / 2**n
-        if coverage < confidence:
-            break
-        best = (ordered[k - 1], ordered[n - k], coverage)
-    return best
-
-
-def repeat_to_length(ids: list[int], length: int) -> list[int]:
-    return (ids * (length // len(ids) + 1))[:length]
 
 
 def weight_bytes(folder: Path) -> int:

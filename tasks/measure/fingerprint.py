@@ -120,3 +120,14 @@ def ensure_comparable(previous: dict[str, object], current: dict[str, object]) -
         "refusing to compare benchmarks from different environments (fingerprint "
         f"{previous.get('hash')} vs {current.get('hash')}): " + "; ".join(differences or ["unknown fields"])
     )
+
+
+def cuda_capability(device: str) -> tuple[int, int] | None:
+    """The compute capability of the GPU a cuda target names (None where torch sees no such GPU)."""
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor

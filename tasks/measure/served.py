@@ -18,7 +18,8 @@ import numpy as np
 
 from serving.models import Limits
 from serving.scheduler import GenerationRequest, Sampling
-from tasks.config import Config, LoadtestConfig, SloConfig
+from tasks.config import LoadtestConfig, SloConfig
+from tasks.params import Config
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tasks.engines.contract import Runtime
 from tasks.engines.speculative import Stats
+from tasks.measure.sampling import median_interval, repeat_to_length
 
 COPY_INSTRUCTION = "\n\nRepeat the paragraph above word for word:\n\n"
 
@@ -30,7 +31,7 @@ class StyleSpeed:
     plain_tok_s: float  # generated tokens per second, prefill included (median of the repeats)
     speculative_tok_s: float
     ratio: float  # median of the per-repeat ratios speculative ÷ plain
-    ratio_ci: tuple[float, float]  # distribution-free interval of that median (benchmark.median_interval)
+    ratio_ci: tuple[float, float]  # distribution-free interval of that median (sampling.median_interval)
     acceptance: float  # proposed tokens kept
     tokens_per_call: float  # tokens per verify call of the variant (1.0: no gain possible)
     agreement: float  # share of positions where the output equals plain decoding's
@@ -39,8 +40,6 @@ class StyleSpeed:
 
 def prompt_styles(runtime: Runtime, ids: list[int], prompt_tokens: int) -> dict[str, list[int]]:
     """The prompts of each style from the benchmark passage's ids."""
-    from tasks.measure.benchmark import repeat_to_length
-
     paragraph = runtime.decode(ids[: max(16, prompt_tokens // 2)])
     return {
         "continue": repeat_to_length(ids, prompt_tokens),
@@ -52,8 +51,6 @@ def measure_speculation(
     runtime: Runtime, ids: list[int], prompt_tokens: int, new_tokens: int, warmup: int, repeats: int
 ) -> list[StyleSpeed]:
     """Each style's prompt generated `repeats` times each way (alternating, after `warmup` untimed pairs)."""
-    from tasks.measure.benchmark import median_interval
-
     speculation = runtime.speculation
     results = []
     for style, prompt in prompt_styles(runtime, ids, prompt_tokens).items():

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from tasks.config import Config, TrackingConfig
+from tasks.config import TrackingConfig
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.measure.served import served_metrics
+from tasks.params import Config
 from tasks.report.plots import precision_plot
 from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 from tasks.techniques import registry

@@ -15,6 +15,7 @@ from tasks.techniques import gguf
 from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.mixed_precision import MixedPrecision
 from tasks.techniques.registry import (
+    ConfigView,
     Exported,
     ExportJob,
     Row,
@@ -25,7 +26,6 @@ from tasks.techniques.registry import (
 )
 
 if TYPE_CHECKING:
-    from tasks.config import Config
     from tasks.engines.manifest import VariantManifest
 
 GgufType = Literal[
@@ -115,7 +115,9 @@ class LlamaCpp(Technique):
     def packages(self, settings: LlamaCppStep) -> list[str]:
         return ["llama-cpp-python"]  # no wheel on PyPI for most platforms: pip builds llama.cpp (minutes)
 
-    def problems(self, where: str, settings: LlamaCppStep, config: Config, cuda_available: bool) -> list[str]:
+    def problems(
+        self, where: str, settings: LlamaCppStep, config: ConfigView, cuda_available: bool
+    ) -> list[str]:
         import importlib.util
 
         problems = []

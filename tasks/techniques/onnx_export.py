@@ -20,6 +20,7 @@ from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.mixed_precision import MixedPrecision
 from tasks.techniques.onnx_weights import write_weights
 from tasks.techniques.registry import (
+    ConfigView,
     Exported,
     ExportJob,
     Row,
@@ -124,7 +125,9 @@ class OnnxGenAI(Technique):
             note += f"; {plan.note()}"
         return Exported(ONNX_GENAI, onnx_genai.ENGINE, [*notes, note])
 
-    def problems(self, where: str, settings: OnnxGenAIStep, config: Any, cuda_available: bool) -> list[str]:
+    def problems(
+        self, where: str, settings: OnnxGenAIStep, config: ConfigView, cuda_available: bool
+    ) -> list[str]:
         if config.target.is_cuda:
             return [
                 f"{where}: the export targets ONNX Runtime's CPU provider (onnxruntime-genai-cuda is not installed); "

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config import VariantConfig
 from tasks.engines import pytorch
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
 from tasks.engines.speculative import DRAFT_FOLDER
@@ -22,6 +21,7 @@ from tasks.errors import ArtifactError, BuildError, ConfigError
 from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase, save_tokenizer
 from tasks.local_files import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
+from tasks.params import VariantConfig
 from tasks.techniques.calibration import statistics_cache
 from tasks.techniques.registry import ExportJob, StepArgumentError
 

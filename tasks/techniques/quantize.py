@@ -22,10 +22,9 @@ from pydantic import Field, model_validator
 
 from tasks.schema import Former, Strict
 from tasks.techniques.calibration import WINDOW_TOKENS
-from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
+from tasks.techniques.registry import Applied, ConfigView, Row, Technique, register, step_arguments
 
 if TYPE_CHECKING:
-    from tasks.config import Config
     from tasks.engines.manifest import VariantManifest
 
 
@@ -188,8 +187,10 @@ class Quantize(Technique):
     def packages(self, settings: QuantizeStep) -> list[str]:
         return list(METHODS[settings.method].packages)
 
-    def problems(self, where: str, settings: QuantizeStep, config: Config, cuda_available: bool) -> list[str]:
-        from tasks.targets import cuda_capability
+    def problems(
+        self, where: str, settings: QuantizeStep, config: ConfigView, cuda_available: bool
+    ) -> list[str]:
+        from tasks.measure.fingerprint import cuda_capability
 
         method, device = METHODS[settings.method], config.target.device
         if device.partition(":")[0] not in method.devices:

@@ -2,41 +2,43 @@
 
 A technique is a `Technique` subclass decorated with `@register`: its step key in params.yaml, its settings model
 (with every default), its role in a recipe, how it applies or exports, what it stores (bits per weight for the
-report), what it needs (packages) and what a target cannot run of it. The recipe schema (`tasks.config.Step`), the
+report), what it needs (packages) and what a target cannot run of it. The recipe schema (`tasks.params.Step`), the
 order rules, the target checks, the report's bit column, a registered model's requirements and the docs'
 technique table are all derived from this registry; no other module lists techniques.
 
-Built-in techniques are the modules in `BUILT_IN`. Others load from the `llmopt.techniques` entry-point group
-(an installed package) or from `$LLMOPT_TECHNIQUES` (comma-separated module names): before params.yaml is read,
-since the schema is built once. Adding a technique is one module with its tests, and one line here or in its
-package's entry points.
+This module is the contract the technique modules import; which modules exist and their loading (the built-in
+ones, the `llmopt.techniques` entry-point group, `$LLMOPT_TECHNIQUES`) is tasks/techniques/catalog.py's. Adding a
+technique is one module with its tests, and one line in the catalog's `BUILT_IN` or in its package's entry points.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from tasks.errors import ConfigError
 from tasks.schema import Strict
 
 if TYPE_CHECKING:
-    from tasks.config import Config
+    from tasks.config import ModelConfig, TargetConfig
     from tasks.engines.manifest import VariantManifest
 
-# Modules under tasks.techniques that register the built-in techniques, in the order the schema lists them.
-BUILT_IN = ("prune", "distill", "quantize", "onnx_export", "gguf_export")
-ENTRY_POINTS = "llmopt.techniques"
-ENVIRONMENT = "LLMOPT_TECHNIQUES"
-
 Role = Literal["transform", "quantize", "export"]
+
+
+class ConfigView(Protocol):
+    """What a technique's target check reads of the configuration (`tasks.params.Config` is one): the registry
+    sits below the recipe schema it feeds, so it names the sections, not the whole object."""
+
+    @property
+    def target(self) -> TargetConfig: ...
+
+    @property
+    def model(self) -> ModelConfig: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class Technique:
         """pip packages a registered variant built with these settings needs to load (beyond the serving set)."""
         return []
 
-    def problems(self, where: str, settings: Any, config: Config, cuda_available: bool) -> list[str]:
+    def problems(self, where: str, settings: Any, config: ConfigView, cuda_available: bool) -> list[str]:
         """What the target cannot run of these settings, as 'key: why; alternative' lines (`where` is the key)."""
         return []
 
@@ -143,7 +145,6 @@ def save_float_model(model: Any, tokenizer: Any, folder: Path) -> Path:
 
 
 TECHNIQUES: dict[str, Technique] = {}
-LOAD_PROBLEMS: list[str] = []  # plug-in modules that failed to import (load_config reports the first)
 
 
 def register(cls: type[Technique]) -> type[Technique]:
@@ -180,26 +181,6 @@ def recorded_settings(name: str, settings: dict[str, Any]) -> tuple[Technique, A
 
 def of_role(role: Role) -> list[str]:
     return [name for name, entry in TECHNIQUES.items() if entry.role == role]
-
-
-def load() -> dict[str, Technique]:
-    """Import the built-in techniques, then the installed and the named ones; returns the registry."""
-    for module in BUILT_IN:
-        importlib.import_module(f"tasks.techniques.{module}")
-    for entry in metadata.entry_points(group=ENTRY_POINTS):
-        _import(entry.value.split(":")[0], f"entry point {entry.name} ({ENTRY_POINTS})")
-    for module in filter(None, (part.strip() for part in os.environ.get(ENVIRONMENT, "").split(","))):
-        _import(module, f"${ENVIRONMENT}")
-    return TECHNIQUES
-
-
-def _import(module: str, origin: str) -> None:
-    try:
-        importlib.import_module(module)
-    except ImportError as exc:
-        problem = f"{origin}: technique module {module} cannot be imported: {exc}"
-        if problem not in LOAD_PROBLEMS:
-            LOAD_PROBLEMS.append(problem)
 
 
 def defaults_text(settings: type[Strict], names: tuple[str, ...]) -> str:
@@ -247,12 +228,3 @@ def write_table_into(document: Path) -> None:
     text = document.read_text()
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
     document.write_text(f"{text[:start]}\n{technique_table()}\n{text[end:]}")
-
-
-if __name__ == "__main__":  # `make techniques-table`; the table's page is docs/techniques.md unless named
-    import sys
-
-    import tasks.config  # noqa: F401  (loads the registry: the module, not this __main__ copy of it)
-    from tasks.techniques import registry
-
-    registry.write_table_into(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/techniques.md"))

@@ -26,10 +26,10 @@ def registry_project(tmp_path, tiny_model_dir, corpus_dir):
     import mlflow
     from mlflow import MlflowClient
 
-    from tasks.config import VariantConfig
     from tasks.decide.registry import register_variant
     from tasks.inputs.load import PreparedBase
     from tasks.local_files import folder_sha256
+    from tasks.params import VariantConfig
     from tasks.techniques.optimize import build_variant
 
     params = tiny_params(tiny_model_dir, corpus_dir, project={"name": MODEL}, serve={"watch_s": 0.2})
@@ -148,11 +148,11 @@ def test_serve_refuses_a_production_version_whose_onnx_graph_parses_wrong_though
 ):
     """An export cut short and hashed as written: the download's hash check passes, ONNX Runtime refuses the
     graph, and `serve` exits with one line naming the version, the file and ONNX Runtime's own words."""
-    from tasks.config import VariantConfig
     from tasks.decide.registry import register_variant
     from tasks.engines.manifest import read_manifest
     from tasks.inputs.load import PreparedBase
     from tasks.local_files import folder_sha256
+    from tasks.params import VariantConfig
     from tasks.techniques.optimize import build_variant
     from tests.factories import damage_as_hashed
 

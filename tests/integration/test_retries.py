@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tasks import failpoints
-from tasks.config import Config
 from tasks.decide.registry import version_tags
 from tasks.errors import ArtifactError
+from tasks.params import Config
 
 MODEL = "retried"
 
@@ -30,9 +30,10 @@ def registry(tmp_path, tiny_model_dir):
     """(config, variant folder, MLflow run id) on a fresh SQLite tracking + registry store."""
     import mlflow
 
-    from tasks.config import TrackingConfig, VariantConfig
+    from tasks.config import TrackingConfig
     from tasks.inputs.load import PreparedBase
     from tasks.local_files import folder_sha256
+    from tasks.params import VariantConfig
     from tasks.report.tracking import configure_tracking
     from tasks.techniques.optimize import build_variant
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.config import VariantConfig
+from tasks.params import VariantConfig
 from tasks.techniques.calibration import WINDOW_TOKENS, capture_inputs, mean_square, unit_token_gram
 from tasks.techniques.onnx_export import OnnxGenAIStep, _calibrated_int4
 from tasks.techniques.optimize import BuildContext

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.llama_cpp import MODEL_FILE
 from tasks.inputs.load import PreparedBase
+from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
 from tests.factories import synthetic_sentences
 

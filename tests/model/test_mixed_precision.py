@@ -10,10 +10,10 @@ import torch
 
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
-from tasks.config import VariantConfig
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
+from tasks.params import VariantConfig
 from tasks.techniques.mixed_precision import export_matrices, fake_quantize
 from tasks.techniques.onnx_export import weight_bits
 from tests.factories import synthetic_sentences

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tasks.config import Config
 from tasks.engines.torch_weights import ON_LOAD, load_quantized
 from tasks.errors import TargetError
 from tasks.measure.benchmark import decode_read_bytes, weight_bytes
+from tasks.params import Config
 from tasks.targets import target_problems
 from tasks.techniques.quantize import (
     METHODS as QUANTIZE_METHODS,
@@ -149,9 +149,9 @@ def test_a_group_size_that_leaves_decoder_matrices_unquantized_is_refused(tiny_m
 
 
 def _quantize_on(device: str, method: str, capability: tuple[int, int] | None, monkeypatch) -> list[str]:
-    import tasks.targets
+    import tasks.measure.fingerprint
 
-    monkeypatch.setattr(tasks.targets, "cuda_capability", lambda _device: capability)
+    monkeypatch.setattr(tasks.measure.fingerprint, "cuda_capability", lambda _device: capability)
     config = Config.model_validate(
         {
             "target": {"device": device},

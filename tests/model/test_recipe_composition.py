@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import BuildError, ConfigError
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
+from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
 from tests.factories import synthetic_sentences
 

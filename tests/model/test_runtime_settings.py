@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.engines.pytorch import generation_options, kv_cache_bytes
 from tasks.inputs.load import PreparedBase
+from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
 
 SETTINGS = {

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tasks.config import ServeConfig, VariantConfig
+from tasks.config import ServeConfig
 from tasks.engines import Runtime, load_runtime
+from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
 from tests.model.test_serving_app import PROMPT, live_server
 

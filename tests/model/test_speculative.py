@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import Config, SpeculativeSettings, VariantConfig
+from tasks.config import SpeculativeSettings
 from tasks.decide.select import Leaderboard, LeaderboardRow, VariantScore
 from tasks.engines import load_runtime
 from tasks.engines.speculative import DRAFT_FOLDER, Speculation
 from tasks.measure.speculation import measure_speculation
+from tasks.params import Config, VariantConfig
 from tasks.techniques.optimize import build_variant
 from tests.factories import synthetic_sentences
 

@@ -11,8 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tasks.config import Step, VariantConfig
-from tasks.techniques import registry
+from tasks.params import Step, VariantConfig
+from tasks.techniques import catalog, registry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tasks.config import VariantConfig
+from tasks.params import VariantConfig
 from tasks.params_file import load_config
 from tasks.errors import ConfigError
 from tasks.inputs.load import PreparedBase
@@ -120,7 +120,7 @@ def test_a_toy_technique_in_its_own_module_runs_through_validation_build_manifes
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "plugins"), str(REPO)]),
-        registry.ENVIRONMENT: "toy_technique",
+        catalog.ENVIRONMENT: "toy_technique",
         "HF_HUB_OFFLINE": "1",
     }
     command = [sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(tmp_path)]
@@ -140,7 +140,7 @@ def test_a_toy_technique_in_its_own_module_runs_through_validation_build_manifes
 
 
 def test_a_technique_module_that_cannot_be_imported_is_one_line_naming_it(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), registry.ENVIRONMENT: "no_such_technique"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), catalog.ENVIRONMENT: "no_such_technique"}
     command = [str(Path(sys.executable).parent / "llmopt"), "run"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0

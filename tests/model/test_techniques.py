@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.config import VariantConfig
 from tasks.engines.manifest import read_manifest
+from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
 from tests.techniques import (
     CALIBRATION,

@@ -39,7 +39,7 @@ def test_a_model_split_over_two_ranks_answers_as_the_whole_model(baseline_dir: P
 
 
 def test_tensor_parallelism_is_the_torch_engines_and_splits_float_weights_only(tmp_path: Path, tiny_base):
-    from tasks.config import VariantConfig
+    from tasks.params import VariantConfig
     from tasks.techniques.optimize import build_variant
 
     recipe = {"steps": [{"quantize": {"method": "torchao_int8_weight_only"}}]}

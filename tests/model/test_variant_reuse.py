@@ -11,11 +11,11 @@ import pytest
 import tasks.local_files
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
-from tasks.config import VariantConfig
 from tasks.engines import load_runtime
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import file_sha256, folder_sha256
+from tasks.params import VariantConfig
 from tests.factories import synthetic_sentences
 
 BF16 = VariantConfig.model_validate({"runtime": {"dtype": "bfloat16"}})

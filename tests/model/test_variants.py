@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.config import EvaluateConfig, VariantConfig
+from tasks.config import EvaluateConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import DataValidationError
 from tasks.local_files import folder_sha256
 from tasks.measure.evaluate import evaluate_perplexity, evaluate_variant
+from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
 from tests.techniques import CLAIMS, FP32_RECIPES
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import yaml
 
 from flows.services import configured_services
-from tasks.config import Config, ServeConfig
+from tasks.config import ServeConfig
+from tasks.params import Config
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 

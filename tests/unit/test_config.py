@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import Config, RuntimeSettings, VariantConfig
+from tasks.config import RuntimeSettings
 from tasks.errors import ConfigError
+from tasks.params import Config, VariantConfig
 from tasks.params_file import load_config
 from tasks.techniques.distill import DistillStep
 from tasks.techniques.onnx_export import OnnxGenAIStep

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import Config
 from tasks.errors import ConfigError
+from tasks.params import Config
 from tasks.preflight import check_disk_space
 
 VARIANTS = {

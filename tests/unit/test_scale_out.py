@@ -8,8 +8,8 @@ import json
 import pytest
 
 from flows.cluster import Stored, Workspace, task_runner, workspace
-from tasks.config import Config
 from tasks.errors import ArtifactError
+from tasks.params import Config
 from tasks.report.timeline import Span, overlapping, write_timeline
 from tasks.shared_store import INDEX, FolderStore, folder_key
 

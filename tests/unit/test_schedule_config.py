@@ -6,8 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from flows.schedule import check_schedule
-from tasks.config import Config, ScheduleConfig
+from tasks.config import ScheduleConfig
 from tasks.errors import ConfigError
+from tasks.params import Config
 
 
 def test_an_interval_replaces_the_nightly_cron_only_when_cron_is_cleared():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from tasks.config import Config, RuntimeSettings, SpeculativeSettings
+from tasks.config import RuntimeSettings, SpeculativeSettings
 from tasks.engines.speculative import (
     Greedy,
     NgramProposer,
@@ -19,6 +19,7 @@ from tasks.engines.speculative import (
     ngram_proposal,
     speculative_decode,
 )
+from tasks.params import Config
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_match_of_the_longest_tail():

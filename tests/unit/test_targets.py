@@ -1,7 +1,7 @@
 import pytest
 
-from tasks.config import Config
 from tasks.errors import TargetError
+from tasks.params import Config
 from tasks.targets import check_target, target_problems
 
 
