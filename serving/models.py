@@ -46,8 +46,9 @@ class Limits:
             settings.prefix_cache_tokens,
         )
 
-    def scheduler(self, runtime: Runtime, metrics: Any = None) -> Scheduler:
-        """A scheduler (its worker started) for `runtime` with these settings."""
+    def scheduler(self, runtime: Runtime, metrics: Any = None, own_thread: bool = True) -> Scheduler:
+        """A scheduler for `runtime` with these settings (its worker started on a thread of its own, or with
+        `own_thread` off run by the caller: `Scheduler.run`)."""
         return Scheduler(
             runtime,
             self.max_batch,
@@ -57,6 +58,7 @@ class Limits:
             self.prefix_reuse,
             self.step_tokens,
             self.prefix_cache_tokens,
+            own_thread,
         )
 
 
@@ -165,9 +167,20 @@ def load_version(
     except BaseException:
         scratch.cleanup()
         raise
-    runtime.generate([runtime.encode("warm up")], 1)  # the first call pays for allocation, not a client
+    warm_up(runtime)
     scheduler = limits.scheduler(runtime, metrics)
     return LoadedModel(version, runtime, scheduler, keep=scratch)
+
+
+def warm_up(runtime: Runtime) -> None:
+    """One short generation, so that the first client does not pay for the engine's allocations; on a thread that
+    ends with it. PyTorch's OpenMP runtime keeps a team of threads per thread that computes for as long as that
+    thread lives, and with two teams every step ran ~1.6x as long on 2 cores: the scheduler's worker must be the
+    only living thread that has computed."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmopt-warm-up") as pool:
+        pool.submit(runtime.generate, [runtime.encode("warm up")], 1).result()
 
 
 def watch_alias(

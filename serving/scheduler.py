@@ -163,7 +163,8 @@ class _Running:
 
 
 class Scheduler:
-    """The queue and the worker thread of one loaded model (started on construction, stopped by `close`)."""
+    """The queue and the worker of one loaded model: a thread of its own (started on construction, stopped by
+    `close`), or with `own_thread` off the thread that calls `run` (the served replay: see `run`)."""
 
     def __init__(
         self,
@@ -175,6 +176,7 @@ class Scheduler:
         prefix_reuse: bool = True,
         step_tokens: int = DEFAULT_STEP_TOKENS,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        own_thread: bool = True,
     ) -> None:
         if step_tokens < max_batch:
             raise ValueError(f"step_tokens ({step_tokens}) must be at least max_batch ({max_batch})")
@@ -193,8 +195,10 @@ class Scheduler:
         self._speculating: _Running | None = (
             None  # the request whose proposer is current (see _speculative_step)
         )
-        self._thread = threading.Thread(target=self._work, name="llmopt-scheduler", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if own_thread:
+            self._thread = threading.Thread(target=self._work, name="llmopt-scheduler", daemon=True)
+            self._thread.start()
 
     @property
     def queued(self) -> int:
@@ -202,13 +206,23 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() if self._thread is not None else not self._closed
+
+    def run(self) -> None:
+        """The worker on the calling thread (a scheduler made with `own_thread` off), until `close` and every
+        request it holds has ended. Where the engine's work must stay on one thread: PyTorch's OpenMP runtime
+        keeps a team of threads per thread that computes, and once a second thread has computed, every step of
+        either ran ~1.6x as long on 2 cores (a bf16 decode step: 38 ms → 61 ms), so the benchmark's replay steps
+        the model on the thread that measured it."""
+        if self._thread is not None:
+            raise RuntimeError("this scheduler's worker runs on its own thread")
+        self._work()
 
     def submit(self, request: GenerationRequest) -> None:
         """Queue a request; QueueFull when `max_queue` are waiting, SchedulerClosed after `close` (or if the
         worker has died)."""
         with self._wake:
-            if self._closed or not self._thread.is_alive():
+            if self._closed or not self.alive:
                 raise SchedulerClosed
             if len(self._queue) >= self.max_queue:
                 raise QueueFull
@@ -227,7 +241,7 @@ class Scheduler:
         with self._wake:
             self._closed = True
             self._wake.notify_all()
-        if wait:
+        if wait and self._thread is not None:
             self._thread.join()
 
     def _work(self) -> None:

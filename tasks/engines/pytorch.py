@@ -103,19 +103,23 @@ class TorchRuntime(Runtime):
     def sequence(self, capacity: int) -> TorchSequence:
         return TorchSequence(self.model, self._no_grad, self.device)
 
-    def batch_decoder(self) -> TorchBatchDecoder:
-        """On a GPU the sequences' steps run as one padded batch (what GPUs are for); on the CPU each sequence
-        steps alone, which keeps fp32 results independent of the batch (see `PaddedBatchDecoder`). Also alone:
-        SDPA pinned to the flash kernel (it takes no attention mask on CUDA) and a sliding window (its cache
-        layer would be replaced by a growing one)."""
+    def batch_decoder(self) -> BatchDecoder:
+        """On a GPU the sequences' steps run as one padded batch (what GPUs are for). On the CPU a half-precision
+        model of a Llama-shaped architecture steps all sequences in one call over fixed KV rows
+        (tasks/engines/torch_slots.py: its rows match stepping alone to bfloat16 rounding, as the padded batch
+        does); fp32 steps each sequence alone, which keeps its results independent of the batch. Also alone: SDPA
+        pinned to the flash kernel (it takes no attention mask on CUDA), a sliding window (its cache layer would be
+        replaced by a growing one), and speculative variants (stepping alone verifies guesses)."""
+        from tasks.engines.torch_slots import SlotBatchDecoder, steps_in_slots
+
         settings = self.manifest.runtime_settings()
-        padded = (
-            self.device.type == "cuda"
-            and settings.sdpa_backend != "flash"
-            and settings.sliding_window is None
-        )
-        decoder = PaddedBatchDecoder if padded else TorchBatchDecoder
-        return decoder(self.model, self._no_grad, self.device)
+        plain = settings.sdpa_backend != "flash" and settings.sliding_window is None
+        if self.device.type == "cuda" and plain:
+            return PaddedBatchDecoder(self.model, self._no_grad, self.device)
+        half = self.manifest.dtype in ("bfloat16", "float16")
+        if half and plain and settings.speculative is None and steps_in_slots(self.model):
+            return SlotBatchDecoder(self.model, self._no_grad, self.device)
+        return TorchBatchDecoder(self.model, self._no_grad, self.device)
 
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool

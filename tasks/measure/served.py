@@ -214,7 +214,8 @@ def replay(
     eos = runtime.eos_token_id
     stops = frozenset() if eos is None or not stop_at_eos else frozenset({eos})
     prompts = [runtime.encode(request.prompt) for request in requests]
-    scheduler = replace(limits, max_queue=max(len(requests), 1)).scheduler(runtime)
+    # the model steps on this thread, the clients' side runs on another (see `Scheduler.run`)
+    scheduler = replace(limits, max_queue=max(len(requests), 1)).scheduler(runtime, own_thread=False)
     lock, pending = threading.Lock(), list(range(len(requests)))
     outcomes: list[Outcome] = []
     finished = threading.Semaphore(0)
@@ -253,24 +254,39 @@ def replay(
             finished.release()
             send()
 
-    warmed = threading.Event()
-    try:
-        warm_up = prompts[0][::-1][:16] or prompts[0]
-        scheduler.submit(
-            GenerationRequest(warm_up, 1, Sampling(), lambda e: e[0] in ("done", "error") and warmed.set())
-        )
-        if not warmed.wait(REPLAY_TIMEOUT_S):
-            raise TimeoutError(f"the served replay's warm-up request got no answer in {REPLAY_TIMEOUT_S:g} s")
-        started = time.perf_counter()
-        for _ in range(min(clients, len(requests))):
-            send()
-        for _ in requests:
-            if not finished.acquire(timeout=REPLAY_TIMEOUT_S):
-                raise TimeoutError(f"a served replay's request got no answer in {REPLAY_TIMEOUT_S:g} s")
-        wall = time.perf_counter() - started
-    finally:
-        scheduler.close()
-    return outcomes, wall
+    warmed, result = threading.Event(), {}
+
+    def drive() -> None:
+        try:
+            warm_up = prompts[0][::-1][:16] or prompts[0]
+            scheduler.submit(
+                GenerationRequest(
+                    warm_up, 1, Sampling(), lambda e: e[0] in ("done", "error") and warmed.set()
+                )
+            )
+            if not warmed.wait(REPLAY_TIMEOUT_S):
+                raise TimeoutError(
+                    f"the served replay's warm-up request got no answer in {REPLAY_TIMEOUT_S:g} s"
+                )
+            started = time.perf_counter()
+            for _ in range(min(clients, len(requests))):
+                send()
+            for _ in requests:
+                if not finished.acquire(timeout=REPLAY_TIMEOUT_S):
+                    raise TimeoutError(f"a served replay's request got no answer in {REPLAY_TIMEOUT_S:g} s")
+            result["wall"] = time.perf_counter() - started
+        except BaseException as exc:  # raised on the caller's thread below
+            result["error"] = exc
+        finally:
+            scheduler.close(wait=False)
+
+    clients_side = threading.Thread(target=drive, name="llmopt-replay-clients", daemon=True)
+    clients_side.start()
+    scheduler.run()  # until the clients' side closes it and every request has ended
+    clients_side.join()
+    if "error" in result:
+        raise result["error"]
+    return outcomes, result["wall"]
 
 
 def served_capacity(runtime: Any, plan: ServedPlan, clients: list[int]) -> list[LevelResult]:
