@@ -23,7 +23,7 @@ from flows.retries import IO_RETRIES
 from tasks.decide.registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
-from tasks.errors import ArtifactError, EngineError
+from tasks.errors import ArtifactUnreadable
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
@@ -207,8 +207,9 @@ class FailedVariant:
     message: str  # the file and the engine's own words
 
 
-# what a variant's artifact failing in its engine raises; anything else (a bug, a full disk) stops the run
-ENGINE_REFUSALS = (ArtifactError, EngineError)
+# what a variant's weights file that its engine cannot parse raises; anything else (a hash mismatch, a missing
+# package, a full disk, a bug) stops the run as before
+ENGINE_REFUSALS = (ArtifactUnreadable,)
 
 
 def may_fail_alone(config: Config, name: str, stand_ins: dict[str, str]) -> bool:

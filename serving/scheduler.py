@@ -256,6 +256,8 @@ class Scheduler:
                 self._queue.clear()
             for request in orphans:
                 self._end(request, ("error", f"the model's worker stopped: {_first_line(exc)}"))
+            if not isinstance(exc, Exception):  # Ctrl-C or an exit where `run` is called: theirs to see
+                raise
 
     def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()

@@ -24,6 +24,11 @@ class ArtifactError(LlmoptError):
     refused, never used."""
 
 
+class ArtifactUnreadable(ArtifactError):
+    """A variant's weights file that its engine cannot parse, though its bytes match the recorded hash (an export
+    cut short and hashed as written, a broken shipped GGUF): the run goes on without that variant."""
+
+
 class BuildError(LlmoptError):
     """A technique could not build its variant (a converter or quantizer failed, a plan was not applied)."""
 

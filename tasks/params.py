@@ -1,6 +1,6 @@
 """params.yaml as one typed object (`Config`): the sections of tasks/config.py and the variants' recipes, whose
 step schema (`Step`: one field per registered technique) is assembled here from the technique registry. Built once
-per process, on first import (plug-in techniques load before it: tasks/techniques/registry.py)."""
+per process, on first import (plug-in techniques load before it: tasks/techniques/catalog.py)."""
 
 from __future__ import annotations
 

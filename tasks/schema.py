@@ -1,7 +1,7 @@
 """The base of every settings model: strict, frozen, and recorded into recipes as the user wrote them.
 
 Lives apart from tasks.config so that a technique module declares its own settings without importing the whole
-configuration (tasks.config builds its recipe step schema from the technique registry)."""
+configuration (tasks.params builds the recipe step schema from the registered techniques)."""
 
 from __future__ import annotations
 

@@ -111,6 +111,10 @@ def bench(
 
         outcome = on_cluster(bench_flow, config)(config, root, trials, compare.resolve() if compare else None)
         print_leaderboard(outcome.leaderboard)
+        for name, why in outcome.leaderboard.failed.items():
+            console.print(
+                f"Failed, left out of this run: {name}: {why}", soft_wrap=True, highlight=False, markup=False
+            )
         print_spread(outcome.spread)
         if outcome.previous is not None:
             print_comparison(outcome.previous, outcome.spread)

@@ -258,8 +258,9 @@ def model_requirements(manifest: VariantManifest, folder: Path | None = None) ->
     (and its speculative draft's, from `folder`/draft, which may run in another engine)."""
     from tasks.engines.manifest import read_manifest
     from tasks.engines.speculative import DRAFT_FOLDER
-    from tasks.techniques import registry
+    from tasks.techniques import catalog, registry
 
+    catalog.load()  # the techniques that read the recorded steps back (loaded once per process)
     packages = list(SERVING_PACKAGES)
     steps = list(manifest.recipe.get("steps", []))
     if folder is not None and (folder / DRAFT_FOLDER).is_dir():

@@ -19,7 +19,7 @@ import numpy as np
 
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, common_prefix, next_token_nll
 from tasks.engines.manifest import VariantManifest
-from tasks.errors import ArtifactError, EngineError
+from tasks.errors import ArtifactUnreadable, EngineError
 
 ENGINE = "llama.cpp"
 GGUF = "gguf"  # the weights format: model.gguf beside the Hugging Face tokenizer
@@ -78,11 +78,12 @@ class GgufModel:
         self._lib = llama_cpp_module()
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        engine_says()  # forget what earlier calls logged
-        self.pointer = self._lib.llama_model_load_from_file(str(path).encode(), params)
+        with _init_lock:  # one load at a time: the error lines read are this load's
+            engine_says()  # forget what earlier calls logged
+            self.pointer = self._lib.llama_model_load_from_file(str(path).encode(), params)
+            said = "" if self.pointer else engine_says() or "damaged or an unknown format"
         if not self.pointer:
-            said = engine_says() or "damaged or an unknown format"
-            raise ArtifactError(f"{path}: llama.cpp cannot load this GGUF file: {said}")
+            raise ArtifactUnreadable(f"{path}: llama.cpp cannot load this GGUF file: {said}")
         self.n_vocab = self._lib.llama_vocab_n_tokens(self._lib.llama_model_get_vocab(self.pointer))
         self.n_ctx_train = int(self._lib.llama_model_n_ctx_train(self.pointer))
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, common_prefix, next_token_nll
 from tasks.engines.manifest import VariantManifest
-from tasks.errors import ArtifactError
+from tasks.errors import ArtifactUnreadable
 
 ENGINE = "onnxruntime-genai"
 ONNX_GENAI = "onnx-genai"  # the weights format: the builder's output folder (genai_config.json, model.onnx …)
@@ -33,7 +33,9 @@ class OrtGenAIRuntime(Runtime):
         try:
             self.model = og.Model(config)
         except Exception as exc:  # onnxruntime_genai raises plain RuntimeError/OrtException subclasses
-            raise ArtifactError(f"{folder}: ONNX Runtime cannot load this model: {engine_says(exc)}") from exc
+            raise ArtifactUnreadable(
+                f"{folder}: ONNX Runtime cannot load this model: {engine_says(exc)}"
+            ) from exc
         self._og = og
         self._folder, self._threads = folder, threads
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][
@@ -112,7 +114,11 @@ def engine_says(exc: BaseException) -> str:
     lm_head.MatMul.weight_Q8 offset: … are out of bounds or can not be read in full.")."""
     text = str(exc).strip() or type(exc).__name__
     text = re.split(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", text)[-1]
-    text = re.sub(r"^\S+\.(?:cc|h|cpp):\d+ \S+ ", "", text.splitlines()[0]).strip()
+    text = text.splitlines()[0]
+    # "file.cc:74 onnxruntime::Class::Method(const Type&, …) Message": the message starts after the signature
+    source = r"(?:/[^\s:]*/)?[\w-]+\.(?:cc|h|cpp):\d+ "  # a source position, with or without its folder
+    text = re.sub(source + r"\S*\(.*?\)\s+(?=[A-Z])", "", text)
+    text = re.sub("^" + source + r"\S+ ", "", text).strip()
     return text if len(text) <= 400 else text[:400] + "…"
 
 
@@ -153,9 +159,8 @@ class OrtBatchDecoder(BatchDecoder):
         except (
             Exception
         ) as exc:  # a protobuf DecodeError, ONNX Runtime's Fail/InvalidProtobuf, a missing file
-            raise ArtifactError(
-                f"{model_path}: ONNX Runtime cannot load this model: {engine_says(exc)}"
-            ) from exc
+            said = engine_says(exc)
+            raise ArtifactUnreadable(f"{model_path}: ONNX Runtime cannot load this model: {said}") from exc
         self._present = [output.name for output in self._session.get_outputs()[1:]]
         self._past = [name.replace("present", "past_key_values") for name in self._present]
         inputs = {item.name: item for item in self._session.get_inputs()}

@@ -26,10 +26,16 @@ STEPPED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 
 def steps_in_slots(model: Any) -> bool:
     """Whether `model`'s decoder layers are ones `SlotBatchDecoder` steps (plain torch modules, Llama-shaped)."""
+    import sys
+
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or getattr(model, "hf_quantizer", None) is not None:
         return False
-    return all(type(layer).__name__ in STEPPED for layer in layers)
+    config = model.config  # a model that windows its own attention (Mistral's default) keeps a windowed cache
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    stepped = all(type(layer).__name__ in STEPPED for layer in layers)
+    return stepped and hasattr(sys.modules[type(layers[0].self_attn).__module__], "apply_rotary_pos_emb")
 
 
 class SlotBatchDecoder(BatchDecoder):
@@ -103,6 +109,8 @@ class SlotBatchDecoder(BatchDecoder):
 
         if set(tokens) != set(self._ids):
             raise ValueError(f"step needs a token for every active sequence {sorted(self._ids)}")
+        if not self._ids:
+            return {}
         rows = len(self._ids)
         self._room(rows, int(self._lengths.max()) + 1)
         self.steps += 1

@@ -282,7 +282,10 @@ def replay(
 
     clients_side = threading.Thread(target=drive, name="llmopt-replay-clients", daemon=True)
     clients_side.start()
-    scheduler.run()  # until the clients' side closes it and every request has ended
+    try:
+        scheduler.run()  # until the clients' side closes it and every request has ended
+    finally:
+        scheduler.close(wait=False)
     clients_side.join()
     if "error" in result:
         raise result["error"]
