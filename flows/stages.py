@@ -212,10 +212,21 @@ class FailedVariant:
 ENGINE_REFUSALS = (ArtifactUnreadable,)
 
 
-def may_fail_alone(config: Config, name: str, stand_ins: dict[str, str]) -> bool:
-    """Whether the run can go on without `name`: a variant of this run, neither the baseline (everyone's
-    reference) nor the stand-in of a registered version (the champion must be measured)."""
-    return name in config.variants and name != config.select.baseline and name not in stand_ins.values()
+def fail_alone(
+    config: Config,
+    name: str,
+    stand_ins: dict[str, str],
+    manifest: VariantManifest,
+    stage: str,
+    exc: ArtifactUnreadable,
+) -> FailedVariant:
+    """`name` failed and the run goes on without it (a warning line says so), when it can: a variant of this run,
+    neither the baseline (everyone's reference) nor the stand-in of a registered version (the champion must be
+    measured); else `exc` stops the run."""
+    if name not in config.variants or name == config.select.baseline or name in stand_ins.values():
+        raise exc
+    get_run_logger().warning(f"{name} failed and is left out of this run: {exc}")
+    return FailedVariant(manifest, stage, str(exc))
 
 
 @dataclass(frozen=True)
@@ -298,10 +309,7 @@ def measure_variants(
             try:
                 done[name] = future.result()
             except ENGINE_REFUSALS as exc:
-                if not may_fail_alone(config, name, stand_ins):
-                    raise
-                failed[name] = FailedVariant(built[name].manifest, "evaluate", str(exc))
-                logger.warning(f"{name} failed and is left out of this run: {exc}")
+                failed[name] = fail_alone(config, name, stand_ins, built[name].manifest, "evaluate", exc)
         spans = [b.span for b in built.values() if b.span] + [e.span for e in done.values()]
         manifests = {name: b.manifest for name, b in built.items() if name not in failed}
         folders = {name: b.stored for name, b in built.items() if name not in failed}
@@ -329,10 +337,7 @@ def measure_variants(
                             )
                         )
                     except ENGINE_REFUSALS as exc:
-                        if not may_fail_alone(config, name, stand_ins):
-                            raise
-                        failed[name] = FailedVariant(manifests[name], "benchmark", str(exc))
-                        logger.warning(f"{name} failed and is left out of this run: {exc}")
+                        failed[name] = fail_alone(config, name, stand_ins, manifests[name], "benchmark", exc)
                         continue
                     results[name].append(result)
                     spans.append(span)
