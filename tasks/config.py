@@ -285,14 +285,18 @@ class ServeConfig(Strict):
     max_batch: Annotated[int, Field(ge=1, le=64)] = 16
     # Requests waiting per model beyond the batch; more get 429 with Retry-After instead of an unbounded wait.
     max_queue: Annotated[int, Field(ge=1, le=10_000)] = 64
-    # Tokens per engine call (llama.cpp, ONNX): one per running request, the rest for slices of joining prompts,
-    # several prompts per step, first come first fed (in the running requests' call: llama.cpp; in calls right
-    # after it: ONNX; torch runs prompts whole). Newcomers join while it has room; a longer prompt is sliced. Bounds
-    # what running streams wait per token while prompts arrive. At least max_batch.
-    step_tokens: Annotated[int, Field(ge=1, le=65_536)] = 256
+    # Tokens per engine call (llama.cpp, ONNX, torch bf16/fp16): one per running request, the rest for slices of
+    # joining prompts, several prompts per step, first come first fed (in the running requests' call: llama.cpp and
+    # torch's slots; in calls right after it: ONNX; torch fp32 runs prompts whole). Newcomers join while it has
+    # room; a longer prompt is sliced. Bounds what running streams wait per token while prompts arrive. At least
+    # max_batch. 2048: a 16-request burst's prompts join in one step; against 256 at 16 clients, in process, torch
+    # bf16 TTFT p95 ~740 -> ~530 ms and tok/s +3-5 % (128-token prompts), ONNX and llama.cpp within the noise
+    # (docs/results/2026-12-05-serving.md)
+    step_tokens: Annotated[int, Field(ge=1, le=65_536)] = 2048
     # The most tokens of one prompt per step (within step_tokens); 0: step_tokens alone decides.
     prefill_chunk: Annotated[int, Field(ge=0, le=8192)] = 0
-    # Prefix reuse (llama.cpp, ONNX): a prompt starting like a sequence in the cache takes its K/V for the shared part
+    # Prefix reuse (llama.cpp, ONNX, torch bf16/fp16): a prompt starting like a sequence in the cache takes its
+    # K/V for the shared part
     prefix_reuse: bool = True
     # ... and from finished requests: their keys/values stay in the cache, least recently used out first, up to this
     # many tokens (llama-server's cache_prompt, vLLM's automatic prefix caching); 0: from running requests only

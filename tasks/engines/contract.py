@@ -155,8 +155,8 @@ class BatchDecoder(abc.ABC):
 
     steps: int = 0  # engine calls so far (a prompt run alone counts one, a step of all sequences one)
     # Whether prompts join through `open` + `step_with_prefills`: several prompts' slices per step beside the
-    # running sequences' tokens, fused into their engine call (llama.cpp) or in calls right after it (ONNX); the
-    # server then batches prompts under a token budget (serve.step_tokens). False: prompts run whole with `add`
+    # running sequences' tokens, fused into their engine call (llama.cpp, torch's slots) or in calls right after it
+    # (ONNX); the server then batches prompts under a token budget (serve.step_tokens). False: prompts run whole
     chunked_prefill: bool = False
     # The most tokens the cache holds over all sequences together (the server admits a request only while the
     # prompts and budgets of those it holds fit); None: the cache grows as needed
@@ -235,6 +235,24 @@ def common_prefix(a: list[int], b: list[int], limit: int) -> int:
             break
         count += 1
     return count
+
+
+def shared_start(
+    prompt: list[int], rows: list[list[int]], retained: RetainedPrefixes
+) -> tuple[int, int | None, Any]:
+    """Where a decoder's newcomer finds the longest start of `prompt` (all but its last token at most) already
+    computed: (its length, the row whose tokens hold it or None, the key of the retained finished sequence that
+    holds it or None; both None: nowhere)."""
+    shared, row, kept = 0, None, None
+    for index, held in enumerate(rows):
+        length = common_prefix(held, prompt, limit=len(prompt) - 1)
+        if length > shared:
+            shared, row = length, index
+    for key, held in retained.held():
+        length = common_prefix(held, prompt, limit=len(prompt) - 1)
+        if length > shared:
+            shared, row, kept = length, None, key
+    return shared, row, kept
 
 
 def cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:

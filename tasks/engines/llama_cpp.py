@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, common_prefix, next_token_nll
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, next_token_nll, shared_start
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ArtifactUnreadable, EngineError
 
@@ -303,12 +303,14 @@ class LlamaCppBatchDecoder(BatchDecoder):
             free = [self._retained.drop_oldest()]
         if not free:
             raise ValueError(f"the decoder already steps {self._context.sequences} sequences")
-        shared, source = 0, None
-        held_by = [(self._slots[s], held) for s, held in self._tokens.items()] + self._retained.held()
-        for slot, held in held_by if self.reuse_prefixes else ():
-            length = common_prefix(held, prompt or [], limit=len(prompt or []) - 1)
-            if length > shared:
-                shared, source = length, slot
+        running = list(self._tokens.items())
+        shared, row, source = (
+            shared_start(prompt or [], [held for _, held in running], self._retained)
+            if self.reuse_prefixes
+            else (0, None, None)
+        )
+        if row is not None:  # a running sequence's cells, else a kept one's (its key is its seq_id)
+            source = self._slots[running[row][0]]
         if source in self._retained:
             self._retained.use(source)  # the last to go
         self._next_id += 1

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, common_prefix, next_token_nll
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, next_token_nll, shared_start
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ArtifactUnreadable
 
@@ -219,15 +219,9 @@ class OrtBatchDecoder(BatchDecoder):
     def _shared_start(self, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
         """The longest start of `prompt` (all but its last token at most) a row or a retained finished sequence
         holds, with a copy of its K/V."""
-        shared, source, kept = 0, None, None
-        for row, held in enumerate(self._tokens) if self.reuse_prefixes else ():
-            length = common_prefix(held, prompt, limit=len(prompt) - 1)
-            if length > shared:
-                shared, source = length, row
-        for key, held in self._retained.held() if self.reuse_prefixes else ():
-            length = common_prefix(held, prompt, limit=len(prompt) - 1)
-            if length > shared:
-                shared, kept = length, key
+        shared, source, kept = (
+            shared_start(prompt, self._tokens, self._retained) if self.reuse_prefixes else (0, None, None)
+        )
         if source is None and kept is None:
             empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
             return [], [empty for _ in self._past]

@@ -42,6 +42,15 @@ def record(decoder, calls: list[list[tuple[int, int]]]) -> None:
 
         decoder._context.decode = logged
         return
+    if hasattr(decoder, "_run"):  # torch's slot decoder: one forward call per step, slices included
+        run = decoder._run
+
+        def logged_run(tokens, fills):
+            calls.append([(number(s), 1) for s in tokens] + [(number(s), len(c)) for s, c, _ in fills])
+            return run(tokens, fills)
+
+        decoder._run = logged_run
+        return
     step, extend = decoder.step, decoder._extend  # ONNX Runtime: a step of every row, or one prompt's slice
 
     def logged_step(tokens):
