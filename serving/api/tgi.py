@@ -47,7 +47,7 @@ def info(http: Request) -> dict:
         "model_id": served.served_id,
         "model_sha": None,
         "model_dtype": runtime.manifest.runtime_settings().dtype,
-        "model_device_type": runtime.manifest.engine,
+        "model_device_type": _device_type(runtime),
         "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": served.current.scheduler.max_queue,
         "max_best_of": 1,
@@ -62,6 +62,12 @@ def info(http: Request) -> dict:
         "sha": None,
         "docker_label": None,
     }
+
+
+def _device_type(runtime: object) -> str:
+    """Where the model runs, as TGI names it ("cpu", "cuda"): the torch engine's device; the others run on the CPU."""
+    device = getattr(runtime, "device", None)
+    return str(getattr(device, "type", None) or device or "cpu")
 
 
 @router.post("/tokenize")

@@ -27,7 +27,6 @@ from tasks.schema import Strict
 from tasks.techniques.registry import Applied, Row, Technique, register, step_arguments
 
 CHECKPOINT_FILE = "distill-checkpoint.pt"
-PAD_LABEL = -100  # cross_entropy's ignore_index
 
 
 class DistillStep(Strict):

@@ -36,6 +36,14 @@ def greedy(runtime: Runtime, prompt: list[int], tokens: int) -> str:
 # --- TGI ----------------------------------------------------------------------------------------------------------
 
 
+def test_tgi_info_says_where_the_model_runs_and_its_limits(url, runtime):
+    """/info as TGI writes it: `model_device_type` is the device ("cpu" here), not the engine's name."""
+    info = httpx.get(f"{url}/info", timeout=30).json()
+    assert info["model_device_type"] == "cpu"
+    assert info["max_total_tokens"] == runtime.context_length == info["max_input_tokens"] + 1
+    assert info["model_pipeline_tag"] == "text-generation"
+
+
 def test_tgi_client_takes_every_parameter_and_reports_top_tokens(url, runtime):
     from text_generation import Client
 
