@@ -25,7 +25,7 @@ from flows.stages import (
 )
 from tasks.decide.gate import Champion, Verdict, judge
 from tasks.decide.history import move_production, record_refusal, recover_unfinished_move
-from tasks.decide.registry import (
+from tasks.decide.model_registry import (
     CANDIDATE,
     PRODUCTION,
     RegisteredVersion,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect.tasks import exponential_backoff
 
-from tasks.decide.registry import mlflow_refused
+from tasks.decide.model_registry import mlflow_refused
 from tasks.errors import LlmoptError
 
 

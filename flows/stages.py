@@ -20,7 +20,7 @@ from flows.cluster import (
 )
 from flows.progress import progress_bar, run_progress
 from flows.retries import IO_RETRIES
-from tasks.decide.registry import RegisteredVersion, fetch_version
+from tasks.decide.model_registry import RegisteredVersion, fetch_version
 from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
 from tasks.errors import ArtifactUnreadable

@@ -266,7 +266,7 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
     import uvicorn
 
     from serving.models import Limits, load_version, parse_model_ref, watch_alias
-    from tasks.decide.registry import current_version
+    from tasks.decide.model_registry import current_version
     from tasks.errors import RegistryError
     from tasks.report.tracking import configure_tracking
 

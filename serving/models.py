@@ -153,7 +153,7 @@ def load_version(
     tensor_parallel: int = 1,
 ) -> LoadedModel:
     """Download a registered version, check its bytes against the hash the registry recorded, load and warm it."""
-    from tasks.decide.registry import download_verified
+    from tasks.decide.model_registry import download_verified
     from tasks.engines import load_runtime
 
     scratch = tempfile.TemporaryDirectory(prefix=f"llmopt-serve-v{version}-")
@@ -195,7 +195,7 @@ def watch_alias(
     """A daemon thread that swaps in the version `served.alias` points to whenever it moves (every `every_s`)."""
 
     def check_once(refused: set[str]) -> None:
-        from tasks.decide.registry import current_version
+        from tasks.decide.model_registry import current_version
         from tasks.errors import LlmoptError
 
         version = current_version(served.registered, served.alias)

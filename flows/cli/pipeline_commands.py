@@ -152,7 +152,7 @@ def _configure_tracking(config: Config, root: Path) -> None:
 
 def _current_production(config: Config, root: Path, version: str) -> str | None:
     """Production's version; a version that does not exist is a one-line error before any work starts."""
-    from tasks.decide.registry import PRODUCTION, current_version, registered_version
+    from tasks.decide.model_registry import PRODUCTION, current_version, registered_version
 
     _configure_tracking(config, root)
     registered_version(config.project.name, version)

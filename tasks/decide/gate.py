@@ -16,7 +16,7 @@ from typing import Any
 
 from tasks.config import SelectConfig
 from tasks.decide.frontier import Objective
-from tasks.decide.registry import PRODUCTION, version_label
+from tasks.decide.model_registry import PRODUCTION, version_label
 from tasks.decide.select import Leaderboard, VariantScore
 from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio, paired_speed_ratio
 from tasks.measure.benchmark import BenchmarkResult

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tasks.decide.registry import PRODUCTION, current_version, registry_lock
+from tasks.decide.model_registry import PRODUCTION, current_version, registry_lock
 from tasks.errors import RegistryError
 from tasks.failpoints import failpoint
 

@@ -1,6 +1,6 @@
 """The MLflow pyfunc model of a registered variant, logged as model-from-code (no pickles in the registry).
 
-It imports only `tasks.engines` (shipped with the model as code, see `registry.register_variant`), so a
+It imports only `tasks.engines` (shipped with the model as code, see `model_registry.register_variant`), so a
 registered version loads in any environment built from the model's own requirements, outside this checkout.
 """
 

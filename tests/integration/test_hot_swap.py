@@ -26,7 +26,7 @@ def registry_project(tmp_path, tiny_model_dir, corpus_dir):
     import mlflow
     from mlflow import MlflowClient
 
-    from tasks.decide.registry import register_variant
+    from tasks.decide.model_registry import register_variant
     from tasks.inputs.load import PreparedBase
     from tasks.local_files import folder_sha256
     from tasks.params import VariantConfig
@@ -148,7 +148,7 @@ def test_serve_refuses_a_production_version_whose_onnx_graph_parses_wrong_though
 ):
     """An export cut short and hashed as written: the download's hash check passes, ONNX Runtime refuses the
     graph, and `serve` exits with one line naming the version, the file and ONNX Runtime's own words."""
-    from tasks.decide.registry import register_variant
+    from tasks.decide.model_registry import register_variant
     from tasks.engines.manifest import read_manifest
     from tasks.inputs.load import PreparedBase
     from tasks.local_files import folder_sha256

@@ -335,7 +335,7 @@ def register_folder(root: Path, variant: str) -> str:
     """Register a variant folder of the project as a new version (what `llmopt run` does for a winner)."""
     script = (
         "import sys; from pathlib import Path; import mlflow; "
-        "from tasks.decide.registry import register_variant; from tasks.engines.manifest import read_manifest; "
+        "from tasks.decide.model_registry import register_variant; from tasks.engines.manifest import read_manifest; "
         "uri = 'sqlite:///' + str(Path('mlflow.db').resolve()); mlflow.set_tracking_uri(uri); mlflow.set_registry_uri(uri); "
         f"folder = Path('.llmopt/variants/{variant}'); "
         "run = mlflow.MlflowClient().create_run(mlflow.get_experiment_by_name('llmopt').experiment_id).info.run_id; "

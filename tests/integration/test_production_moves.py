@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tasks.decide.history import history, move_production, rollback_target
-from tasks.decide.registry import LOCK_SUFFIX, PRODUCTION, current_version, registry_lock
+from tasks.decide.model_registry import LOCK_SUFFIX, PRODUCTION, current_version, registry_lock
 from tasks.errors import RegistryError
 from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tasks import failpoints
-from tasks.decide.registry import version_tags
+from tasks.decide.model_registry import version_tags
 from tasks.errors import ArtifactError
 from tasks.params import Config
 

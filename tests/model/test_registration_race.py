@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 REGISTER = """
 import sys, mlflow
 from pathlib import Path
-from tasks.decide.registry import register_variant
+from tasks.decide.model_registry import register_variant
 from tasks.engines.manifest import read_manifest
 mlflow.set_tracking_uri(sys.argv[1]); mlflow.set_registry_uri(sys.argv[1])
 folder = Path(sys.argv[2])

@@ -112,7 +112,7 @@ def test_a_speculative_variant_links_its_twins_bytes_and_carries_its_draft(tiny_
         assert runtime.speculation.stats.calls > 0
     assert load_runtime(variants / "drafted", threads=1).speculation.draft.manifest.engine == "llama.cpp"
     # registered, it names the draft's engine among its requirements (a torch model with a llama.cpp draft)
-    from tasks.decide.registry import model_requirements
+    from tasks.decide.model_registry import model_requirements
 
     assert not any(
         r.startswith("llama-cpp-python==") for r in model_requirements(lookup, variants / "lookup")

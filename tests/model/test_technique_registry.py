@@ -158,7 +158,7 @@ def test_the_schema_target_checks_report_bits_and_docs_table_all_come_from_the_r
     for module in (
         "tasks/targets.py",
         "tasks/report/tracking.py",
-        "tasks/decide/registry.py",
+        "tasks/decide/model_registry.py",
         "tasks/config.py",
         "tasks/params.py",
         "tasks/techniques/catalog.py",

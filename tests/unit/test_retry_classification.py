@@ -84,7 +84,7 @@ def free_port() -> int:
 
 
 def test_a_registry_that_does_not_answer_is_retried_not_reported_as_a_missing_version(registry_at, tmp_path):
-    from tasks.decide.registry import download_version, version_tags
+    from tasks.decide.model_registry import download_version, version_tags
 
     registry_at(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     for fetch in (lambda: version_tags("tiny", "1"), lambda: download_version("tiny", "1", tmp_path)):
@@ -97,7 +97,7 @@ def test_a_registry_that_does_not_answer_is_retried_not_reported_as_a_missing_ve
 def test_a_version_the_registry_does_not_hold_is_a_user_error(registry_at, tmp_path):
     from mlflow import MlflowClient
 
-    from tasks.decide.registry import download_version, version_tags
+    from tasks.decide.model_registry import download_version, version_tags
 
     registry_at(f"sqlite:///{tmp_path / 'mlflow.db'}")
     MlflowClient().create_registered_model("tiny")
