@@ -49,11 +49,17 @@ def test_every_relative_link_in_the_readme_points_to_an_existing_file():
     assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
-def test_the_readme_links_to_every_docs_page():
+def test_the_readme_links_to_every_docs_page_and_the_results_page_to_every_dated_one():
+    """The README reaches every page but the dated measurements (docs/results/), which docs/results.md lists."""
     readme = (REPO / "README.md").read_text()
     linked = {t.split("#")[0] for t in LINK.findall(readme) if t.startswith("docs/")}
     pages = {f"docs/{page}" for page in nav_pages(site_config()["nav"])}
-    assert pages <= linked, f"pages the README does not link to: {sorted(pages - linked)}"
+    dated = {page for page in pages if page.startswith("docs/results/")}
+    assert pages - dated <= linked, f"pages the README does not link to: {sorted(pages - dated - linked)}"
+    results = (REPO / "docs" / "results.md").read_text()
+    listed = {f"docs/{t.split('#')[0]}" for t in LINK.findall(results) if t.startswith("results/")}
+    assert dated <= listed, f"dated pages docs/results.md does not list: {sorted(dated - listed)}"
+    assert all(re.fullmatch(r"docs/results/\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md", page) for page in dated), dated
 
 
 def test_the_site_is_built_into_a_git_ignored_folder():
