@@ -34,6 +34,7 @@ from tasks.decide.model_registry import (
     register_variant,
     registered_version,
     set_candidate,
+    tag_version,
     version_label,
 )
 from tasks.decide.select import Leaderboard
@@ -311,8 +312,6 @@ def apply_verdict(
 
 def _store_verdict(model: str, version: str, verdict: Verdict, fingerprint: str) -> None:
     """The verdict with its evidence on the model version (shown in the MLflow UI's version page)."""
-    from mlflow import MlflowClient
-
     evidence = {
         "verdict": verdict.tag(),
         "challenger_version": version,
@@ -320,7 +319,7 @@ def _store_verdict(model: str, version: str, verdict: Verdict, fingerprint: str)
         "fingerprint": fingerprint,
         **verdict.evidence,
     }
-    MlflowClient().set_model_version_tag(model, version, "llmopt.verdict", json.dumps(evidence)[:5000])
+    tag_version(model, version, "llmopt.verdict", json.dumps(evidence)[:5000])
 
 
 CONSOLE_ELSEWHERE = {"console": False}  # a record the console filter leaves to the log file (flows/logs.py)

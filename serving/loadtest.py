@@ -217,14 +217,11 @@ def served_model(url: str, model: str | None, api_key: str | None) -> dict:
 def offline_ceiling(registered: str, version: str) -> tuple[int, float] | None:
     """(batch size, decode tok/s) of the largest batch the pipeline's benchmark measured for this version: the
     engine's own throughput without a server, the reference a server's aggregate rate is read against."""
-    from mlflow import MlflowClient
+    from tasks.decide.model_registry import version_run_metrics
 
-    client = MlflowClient()
-    run_id = client.get_model_version(registered, version).run_id
-    metrics = client.get_run(run_id).data.metrics if run_id else {}
     batches = [
         (int(k.removeprefix("decode_tok_s_bs")), v)
-        for k, v in metrics.items()
+        for k, v in version_run_metrics(registered, version).items()
         if k.startswith("decode_tok_s_bs")
     ]
     return max(batches) if batches else None
@@ -242,38 +239,33 @@ def log_load_test(
 ) -> str:
     """One MLflow run per load test, tagged with the model version it drove; the version gets a tag pointing
     back at it. Returns the run id."""
-    import mlflow
-    from mlflow import MlflowClient
+    from tasks.decide.model_registry import tag_version
+    from tasks.report.tracking import log_standalone_run
 
     registered, _, version = entry["served_id"].rpartition("/")
     trial = {id(result): number for number, result in enumerate(searched, 1)}
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=f"loadtest {entry['served_id']}") as run:
-        mlflow.set_tags(
-            {
-                "llmopt.kind": "loadtest",
-                "llmopt.model": registered,
-                "llmopt.model_version": version,
-                "llmopt.variant": entry["variant"],
-                "llmopt.engine": entry["engine"],
-            }
-        )
-        mlflow.log_params(settings)
-        for result in results:
-            fields = asdict(result)
-            concurrency, rate = fields.pop("concurrency"), fields.pop("rate_rps")
-            prefix = f"r{rate:g}" if rate == rate else f"c{concurrency}"
-            if id(result) in trial:  # the SLO search's trials: keys of their own, beside the rates asked for
-                prefix = f"s{trial[id(result)]}"
-                mlflow.log_metric(f"{prefix}.rate_rps", rate)
-            mlflow.log_metrics(
-                {f"{prefix}.{k}": float(v) for k, v in fields.items() if v == v}
-            )  # nan: not measured
-        if ceiling:
-            mlflow.log_metric(f"offline_decode_tok_s_bs{ceiling[0]}", ceiling[1])
-        for clients, tok_s in (same_mix or {}).items():
-            mlflow.log_metric(f"offline_same_mix.c{clients}.tok_s", tok_s)
-        if best is not None:
-            mlflow.log_metrics({"slo.max_rate_rps": best.rate_rps, "slo.goodput_rps": best.goodput_rps})
-    MlflowClient().set_model_version_tag(registered, version, "llmopt.loadtest_run", run.info.run_id)
-    return run.info.run_id
+    metrics: dict[str, float] = {}
+    for result in results:
+        fields = asdict(result)
+        concurrency, rate = fields.pop("concurrency"), fields.pop("rate_rps")
+        prefix = f"r{rate:g}" if rate == rate else f"c{concurrency}"
+        if id(result) in trial:  # the SLO search's trials: keys of their own, beside the rates asked for
+            prefix = f"s{trial[id(result)]}"
+            metrics[f"{prefix}.rate_rps"] = rate
+        metrics |= {f"{prefix}.{k}": float(v) for k, v in fields.items()}
+    if ceiling:
+        metrics[f"offline_decode_tok_s_bs{ceiling[0]}"] = ceiling[1]
+    for clients, tok_s in (same_mix or {}).items():
+        metrics[f"offline_same_mix.c{clients}.tok_s"] = tok_s
+    if best is not None:
+        metrics |= {"slo.max_rate_rps": best.rate_rps, "slo.goodput_rps": best.goodput_rps}
+    tags = {
+        "llmopt.kind": "loadtest",
+        "llmopt.model": registered,
+        "llmopt.model_version": version,
+        "llmopt.variant": entry["variant"],
+        "llmopt.engine": entry["engine"],
+    }
+    run_id = log_standalone_run(experiment, f"loadtest {entry['served_id']}", tags, settings, metrics)
+    tag_version(registered, version, "llmopt.loadtest_run", run_id)
+    return run_id

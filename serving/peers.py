@@ -119,25 +119,21 @@ def log_peer_comparison(
 ) -> str:
     """One MLflow run (`llmopt.kind=loadtest_peers`), tagged with the llmopt version driven: per server and
     level, its median figures and its ratios to llmopt's. Returns the run id."""
-    import mlflow
+    from tasks.report.tracking import log_standalone_run
 
     registered, _, version = entry["served_id"].rpartition("/")
-    mlflow.set_experiment(experiment)
-    with mlflow.start_run(run_name=f"loadtest peers {entry['served_id']}") as run:
-        mlflow.set_tags(
-            {
-                "llmopt.kind": "loadtest_peers",
-                "llmopt.model": registered,
-                "llmopt.model_version": version,
-                "llmopt.variant": entry["variant"],
-                **{f"llmopt.peer.{s.label}": s.url for s in servers[1:]},
-            }
-        )
-        mlflow.log_params(settings)
-        for row in table:
-            prefix = f"{row.label}.c{row.concurrency}"
-            figures = {"tok_s": row.tok_s, "ttft_p50_ms": row.ttft_p50_ms, "ttft_p95_ms": row.ttft_p95_ms}
-            for name in ("tok_s_ratio", "ttft_p95_ratio"):  # median, and the lowest and highest repeat
-                figures |= dict(zip((name, f"{name}_low", f"{name}_high"), getattr(row, name), strict=True))
-            mlflow.log_metrics({f"{prefix}.{key}": value for key, value in figures.items() if value == value})
-    return run.info.run_id
+    metrics: dict[str, float] = {}
+    for row in table:
+        prefix = f"{row.label}.c{row.concurrency}"
+        figures = {"tok_s": row.tok_s, "ttft_p50_ms": row.ttft_p50_ms, "ttft_p95_ms": row.ttft_p95_ms}
+        for name in ("tok_s_ratio", "ttft_p95_ratio"):  # median, and the lowest and highest repeat
+            figures |= dict(zip((name, f"{name}_low", f"{name}_high"), getattr(row, name), strict=True))
+        metrics |= {f"{prefix}.{key}": value for key, value in figures.items()}
+    tags = {
+        "llmopt.kind": "loadtest_peers",
+        "llmopt.model": registered,
+        "llmopt.model_version": version,
+        "llmopt.variant": entry["variant"],
+        **{f"llmopt.peer.{s.label}": s.url for s in servers[1:]},
+    }
+    return log_standalone_run(experiment, f"loadtest peers {entry['served_id']}", tags, settings, metrics)

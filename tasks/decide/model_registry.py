@@ -389,6 +389,22 @@ def version_tags(model_name: str, version: str) -> dict[str, str]:
         raise RegistryError(f"no version {version} of {model_name} in the registry") from None
 
 
+def tag_version(model_name: str, version: str, key: str, value: str) -> None:
+    """Set one tag on a model version (shown on its page in the MLflow UI)."""
+    from mlflow import MlflowClient
+
+    MlflowClient().set_model_version_tag(model_name, version, key, value)
+
+
+def version_run_metrics(model_name: str, version: str) -> dict[str, float]:
+    """The metrics of the pipeline run that registered this version (empty when it records no run)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    run_id = client.get_model_version(model_name, version).run_id
+    return dict(client.get_run(run_id).data.metrics) if run_id else {}
+
+
 def _versions(client, model_name: str) -> list:
     from mlflow.exceptions import MlflowException
 

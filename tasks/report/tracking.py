@@ -99,6 +99,21 @@ def log_run_report(parent_run_id: str, files: list[Path], metrics: dict[str, flo
         client.log_metric(parent_run_id, key, value)
 
 
+def log_standalone_run(
+    experiment: str, name: str, tags: dict[str, str], params: dict[str, Any], metrics: dict[str, float]
+) -> str:
+    """One MLflow run outside the pipeline's (a load test, a peer comparison) in `experiment`: its tags, params and
+    metrics (a nan is not logged: not measured). Returns the run id."""
+    import mlflow
+
+    mlflow.set_experiment(experiment)
+    with mlflow.start_run(run_name=name) as run:
+        mlflow.set_tags(tags)
+        mlflow.log_params(params)
+        mlflow.log_metrics({key: float(value) for key, value in metrics.items() if value == value})
+    return run.info.run_id
+
+
 def ui_base() -> tuple[str, str]:
     """(where the MLflow UI of the current store is, how to open it): the tracking server itself when there is
     one, else `make ui` on the embedded store."""

@@ -56,3 +56,35 @@ def test_a_peer_is_url_with_an_optional_label():
     assert parse_peer("http://127.0.0.1:8080/") == ("http://127.0.0.1:8080", "127.0.0.1:8080")
     with pytest.raises(ValueError, match="URL\\[=LABEL\\]"):
         parse_peer("localhost:8080")
+
+
+def test_a_peer_comparison_is_one_mlflow_run_with_each_servers_figures_and_ratios(tmp_path, request):
+    import math
+
+    import mlflow
+    from mlflow import MlflowClient
+
+    from serving.peers import PeerRow, log_peer_comparison
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    request.addfinalizer(lambda: mlflow.set_tracking_uri(previous))
+    nan = float("nan")
+    table = [
+        PeerRow("llmopt", 16, 200.0, 100.0, 400.0, 0, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)),
+        PeerRow("vllm", 16, 220.0, 90.0, 380.0, 0, (1.1, 1.05, 1.15), (0.95, 0.9, nan)),
+    ]
+    servers = [Server("llmopt", "http://a", "m/3"), Server("vllm", "http://b", None)]
+    entry = {"served_id": "tiny/3", "variant": "onnx_int4"}
+    run_id = log_peer_comparison("peers", entry, servers, table, {"repeats": 3})
+    run = MlflowClient().get_run(run_id)
+    assert (
+        run.data.tags["llmopt.kind"] == "loadtest_peers" and run.data.tags["llmopt.peer.vllm"] == "http://b"
+    )
+    assert run.data.tags["llmopt.model"] == "tiny" and run.data.tags["llmopt.model_version"] == "3"
+    assert run.data.params == {"repeats": "3"}
+    metrics = run.data.metrics
+    assert metrics["vllm.c16.tok_s_ratio"] == 1.1 and metrics["vllm.c16.tok_s_ratio_low"] == 1.05
+    assert metrics["llmopt.c16.ttft_p95_ms"] == 400.0
+    assert "vllm.c16.ttft_p95_ratio_high" not in metrics  # nan: not measured, not logged
+    assert not any(math.isnan(value) for value in metrics.values())
