@@ -52,6 +52,7 @@ import abc
 import collections
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tasks.engines.manifest import VariantManifest
@@ -307,3 +308,18 @@ class RetainedPrefixes:
         key, _ = self._kept.popitem(last=False)
         self._forget(key)
         return key
+
+
+def free_memory() -> int:
+    """Bytes this process can still take: the machine's available memory, or less where a cgroup limit says so."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free

@@ -9,12 +9,24 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, next_token_nll, shared_start
+from tasks.engines.contract import (
+    BatchDecoder,
+    RetainedPrefixes,
+    Runtime,
+    free_memory,
+    next_token_nll,
+    shared_start,
+)
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ArtifactUnreadable
 
 ENGINE = "onnxruntime-genai"
 ONNX_GENAI = "onnx-genai"  # the weights format: the builder's output folder (genai_config.json, model.onnx …)
+# A prompt slice of at least this many tokens runs with float activations where the graph quantizes them to int8
+# (see `OrtBatchDecoder`): one call of SmolLM2-135M int4 (Xeon, AVX-512 VNNI, 2 threads) took 0.71x the time at 256
+# tokens, 0.75x at 128, 0.85x at 64, as long at 32 and 1.3-2.3x as long below 16 with float activations
+# (docs/results/2026-12-05-serving.md).
+FLOAT_PROMPT_TOKENS = 48
 
 
 class OrtGenAIRuntime(Runtime):
@@ -139,7 +151,16 @@ class OrtBatchDecoder(BatchDecoder):
     positions). With `retain_tokens`, a leaving row's keys and values are kept (a copy, least recently used out
     first) and serve later newcomers the same way. Prompts join in slices (`step_with_prefills`): the graph takes one new-token count per call, so a
     joining prompt's slice cannot share the running rows' call as in llama.cpp; each slice gets its own call right
-    after theirs, which bounds what a running stream waits per token just the same."""
+    after theirs, which bounds what a running stream waits per token just the same.
+
+    Long slices with float activations: where the graph's MatMulNBits compute with int8 activations (the builder's
+    `accuracy_level: 4`, its CPU default), a slice of `FLOAT_PROMPT_TOKENS` or more runs on a second session of
+    the same graph whose MatMulNBits keep their activations in float32 (ONNX Runtime's `mlas.qnbit.force_fp32`):
+    int8 activations pay at one or a few rows, where the weights' bytes bound the call, and cost at many, where
+    MLAS's float kernels are faster. The float path is the more exact one (the weights are the same, the
+    activations are not rounded to 8 bits), so a served prompt is computed at least as accurately as the evaluation
+    measured it; steps and short slices run as the graph says. The second session holds its own packed copy of the
+    weights: it is made only where the machine has room for it twice over."""
 
     chunked_prefill = True  # each prompt slice runs in its own call right after a step (see above)
 
@@ -161,6 +182,12 @@ class OrtBatchDecoder(BatchDecoder):
         ) as exc:  # a protobuf DecodeError, ONNX Runtime's Fail/InvalidProtobuf, a missing file
             said = engine_says(exc)
             raise ArtifactUnreadable(f"{model_path}: ONNX Runtime cannot load this model: {said}") from exc
+        self._prompt_session = self._session  # what runs a slice of FLOAT_PROMPT_TOKENS or more
+        if _int8_activations(graph) and free_memory() > 2 * _weights_bytes(model_path):
+            options.add_session_config_entry("mlas.qnbit.force_fp32", "1")
+            # its own thread pool: idle between its calls (long ones) instead of spinning beside the steps' pool
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self._prompt_session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self._present = [output.name for output in self._session.get_outputs()[1:]]
         self._past = [name.replace("present", "past_key_values") for name in self._present]
         inputs = {item.name: item for item in self._session.get_inputs()}
@@ -248,7 +275,8 @@ class OrtBatchDecoder(BatchDecoder):
         self.steps += 1
         ids = np.asarray([chunk], dtype=np.int64)
         mask = np.ones((1, len(held) + len(chunk)), dtype=np.int64)
-        logits, *present = self._session.run(
+        session = self._prompt_session if len(chunk) >= FLOAT_PROMPT_TOKENS else self._session
+        logits, *present = session.run(
             None, {"input_ids": ids, "attention_mask": mask, **dict(zip(self._past, cache, strict=True))}
         )
         self._partial[sequence] = (held + list(chunk), present)
@@ -363,6 +391,25 @@ def last_position_logits(model_path: Path) -> bytes:
     graph.node.insert(list(graph.node).index(head), sliced)
     head.input[0] = "llmopt_last_hidden"
     return model.SerializeToString()
+
+
+def _int8_activations(graph: bytes) -> bool:
+    """Whether any MatMulNBits of the serialized graph computes with int8 activations (accuracy_level 4)."""
+    import onnx
+
+    nodes = onnx.load_from_string(graph).graph.node
+    return any(
+        attribute.name == "accuracy_level" and attribute.i == 4
+        for node in nodes
+        if node.op_type == "MatMulNBits"
+        for attribute in node.attribute
+    )
+
+
+def _weights_bytes(model_path: Path) -> int:
+    """The graph's weights on disk: the file beside it (the builder's `model.onnx.data`), else the graph itself."""
+    data = model_path.with_name(model_path.name + ".data")
+    return (data if data.exists() else model_path).stat().st_size
 
 
 def _room_for(tokens: int) -> int:

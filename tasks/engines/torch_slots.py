@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from pathlib import Path
 from typing import Any
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, shared_start
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start
 
 # decoder layers whose forward is exactly: x + o(attn(rope(q, k), v)) after the input norm, then x + mlp(norm(x))
 STEPPED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
@@ -89,21 +88,6 @@ class _Weights:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
-def _free_memory() -> int:
-    """Bytes this process can still take: the machine's available memory, or less where a cgroup limit says so."""
-    import psutil
-
-    free = psutil.virtual_memory().available
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if limit != "max":
-            free = min(free, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return free
-
-
 def _linear_bytes(model: Any) -> int:
     return sum(
         module.weight.numel() * module.weight.element_size()
@@ -128,7 +112,7 @@ def _packs(model: Any) -> bool:
         return False
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
-    if _free_memory() < 2 * _linear_bytes(model):
+    if free_memory() < 2 * _linear_bytes(model):
         return False
     try:
         probe = model.model.layers[0].self_attn.o_proj
