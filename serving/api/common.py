@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from serving.generation import Generation
 from serving.metrics import ServerMetrics
 from serving.models import ModelRouter, ServedModel
-from serving.scheduler import Sampling
+from serving.sampling import Sampling
 from serving.text import RequestError
 from tasks.config import ServeConfig
 

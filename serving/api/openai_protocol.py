@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serving.scheduler import Sampling
+from serving.sampling import Sampling
 
 Stops = str | Annotated[list[str], Field(max_length=4)] | None
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat; completions take 5

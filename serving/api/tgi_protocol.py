@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serving.scheduler import Sampling
+from serving.sampling import Sampling
 from serving.text import RequestError
 
 MAX_TOP_N_TOKENS = 5  # TGI's default --max-top-n-tokens

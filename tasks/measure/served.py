@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from serving.models import Limits
-from serving.scheduler import GenerationRequest, Sampling
+from serving.sampling import Sampling
+from serving.scheduler import GenerationRequest
 from tasks.config import LoadtestConfig, SloConfig
 from tasks.params import Config
 

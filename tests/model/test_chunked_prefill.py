@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from serving.scheduler import GenerationRequest, Sampling, Scheduler
+from serving.sampling import Sampling
+from serving.scheduler import GenerationRequest, Scheduler
 from tasks.engines import load_runtime
 
 RUNNING = "The river walks the stone near the garden."

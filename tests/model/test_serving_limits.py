@@ -169,7 +169,8 @@ def test_concurrent_requests_batch_into_fewer_engine_calls_with_the_answers_they
 
 
 def test_a_cancelled_request_stops_at_the_next_step_and_frees_its_slot(onnx_runtime):
-    from serving.scheduler import GenerationRequest, Sampling, Scheduler
+    from serving.sampling import Sampling
+    from serving.scheduler import GenerationRequest, Scheduler
 
     scheduler = Scheduler(onnx_runtime, max_batch=2, max_queue=4)
     events, ended = [], threading.Event()
@@ -212,7 +213,8 @@ def test_one_server_routes_each_request_to_the_model_it_names(onnx_runtime, runt
 
 
 def test_a_request_failing_in_the_worker_ends_alone_and_its_neighbours_finish(onnx_runtime):
-    from serving.scheduler import GenerationRequest, Sampling, Scheduler
+    from serving.sampling import Sampling
+    from serving.scheduler import GenerationRequest, Scheduler
 
     prompt = onnx_runtime.encode(PROMPT)
     gated = GatedRuntime(onnx_runtime)

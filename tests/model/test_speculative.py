@@ -173,7 +173,8 @@ def serve_alone(
     """One request through the server's scheduler: (its tokens, its last event, engine calls)."""
     import threading
 
-    from serving.scheduler import GenerationRequest, Sampling, Scheduler
+    from serving.sampling import Sampling
+    from serving.scheduler import GenerationRequest, Scheduler
 
     scheduler = Scheduler(runtime, max_batch=4, max_queue=4)
     out, events, done = [], [], threading.Event()
@@ -193,7 +194,7 @@ def serve_alone(
 
 @pytest.mark.parametrize("name", ["baseline", "llama_q8_0"])
 def test_the_server_speculates_while_one_greedy_request_runs(trained_variants, name):
-    from serving.scheduler import Sampling
+    from serving.sampling import Sampling
 
     runtime = load_runtime(trained_variants[name], threads=1)
     prompt = runtime.encode(REPEATING)

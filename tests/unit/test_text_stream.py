@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from serving.scheduler import Sampling, choose_token
+from serving.sampling import Sampling, choose_token
 from serving.text import TextStream
 
 
@@ -80,7 +80,7 @@ def test_repetition_penalty_is_transformers_rule_and_openai_penalties_count_the_
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from serving.scheduler import adjusted_logits
+    from serving.sampling import adjusted_logits
 
     rng = np.random.default_rng(1)
     logits = rng.normal(size=50).astype(np.float32)
@@ -101,7 +101,7 @@ def test_repetition_penalty_is_transformers_rule_and_openai_penalties_count_the_
 
 
 def test_min_tokens_bars_the_stop_tokens_until_enough_were_generated():
-    from serving.scheduler import adjusted_logits
+    from serving.sampling import adjusted_logits
 
     logits = np.array([0.0, 5.0, 1.0], dtype=np.float32)  # token 1 (the stop token) is the argmax
     barred = adjusted_logits(logits, Sampling(min_tokens=2), [0], [2], frozenset({1}))
@@ -123,7 +123,7 @@ def test_typical_p_draws_only_from_the_set_transformers_typical_warper_keeps():
 
 
 def test_tgi_frequency_penalty_is_each_tokens_share_of_the_whole_sequence():
-    from serving.scheduler import adjusted_logits
+    from serving.sampling import adjusted_logits
 
     logits = np.zeros(10)
     out = adjusted_logits(
