@@ -134,15 +134,6 @@ class ModelRouter:
         raise RequestError(404, f"model {requested!r} is not served here; served: {names}", "model_not_found")
 
 
-def serve_runtime(
-    runtime: Runtime, name: str, version: str, settings: ServeConfig, metrics: Any = None
-) -> ServedModel:
-    """A runtime already in memory, served as `name/version` (never swapped), e.g. by tests."""
-    limits = Limits.of(settings)
-    scheduler = limits.scheduler(runtime, metrics)
-    return ServedModel(name, None, LoadedModel(version, runtime, scheduler))
-
-
 def load_version(
     model_name: str,
     version: str,

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 
 from serving.app import create_app
-from serving.models import ModelRouter, ServedModel, serve_runtime
+from serving.models import Limits, LoadedModel, ModelRouter, ServedModel
 from tasks.config import ServeConfig
 from tasks.engines import Runtime, load_runtime
 from tests.factories import TINY_ENGINE_RECIPES
@@ -23,6 +23,13 @@ PROMPT = "Near the river 12, the stone walks the garden."
 @pytest.fixture(scope="module", params=sorted(RECIPES))
 def runtime(request, tiny_engine_dir) -> Runtime:
     return load_runtime(tiny_engine_dir(request.param), threads=1)
+
+
+def serve_runtime(runtime: Runtime, name: str, version: str, settings: ServeConfig) -> ServedModel:
+    """A runtime already in memory, served as `name/version` (never swapped), as `llmopt serve` serves a loaded
+    registry version."""
+    scheduler = Limits.of(settings).scheduler(runtime, None)
+    return ServedModel(name, None, LoadedModel(version, runtime, scheduler))
 
 
 @contextmanager
