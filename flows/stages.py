@@ -41,7 +41,7 @@ from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
 from tasks.report.tracking import ParentRun, log_failed_variant_run, log_reports, log_variant_run
-from tasks.techniques.optimize import build_variant, plain_twin
+from tasks.techniques.optimize import build_order, build_variant
 
 
 def workdir(config: Config, root: Path) -> Path:
@@ -274,16 +274,11 @@ def measure_variants(
     order = [name for name, _ in baseline_first(config)]
     with run_progress({"build": len(order), "evaluate": len(order), "benchmark": 0}) as display:
         builds: dict[str, Any] = {}
-        for name in sorted(order, key=lambda n: config.variants[n].runtime.speculative is not None):
-            # a speculative variant after the variants whose bytes it links (its plain twin, its draft)
-            variant, twin = config.variants[name], plain_twin(config.variants[name])
+        for name, waits_for in build_order(config.variants, order):
+            variant = config.variants[name]
             draft_name = variant.runtime.speculative.draft if variant.runtime.speculative else None
             draft = (draft_name, config.variants[draft_name]) if draft_name else None
-            before = [
-                builds[other]
-                for other in builds
-                if other == draft_name or (twin is not None and config.variants[other] == twin)
-            ]
+            before = [builds[other] for other in waits_for]
             builds[name] = optimize_task.submit(name, variant, inputs, space, draft, wait_for=before)
         evaluations = {}
         for name in order:

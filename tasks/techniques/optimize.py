@@ -79,6 +79,20 @@ def plain_twin(variant: VariantConfig) -> VariantConfig | None:
     return VariantConfig.model_validate({**variant.recipe(), "runtime": runtime})
 
 
+def build_order(variants: dict[str, VariantConfig], names: list[str]) -> list[tuple[str, list[str]]]:
+    """`names` in the order to build them, each with the variants whose build it waits for: a speculative variant
+    after the ones whose bytes it links (its plain twin, whose bytes it shares, and its draft); the others in the
+    order given, waiting for none."""
+    order = sorted(names, key=lambda name: variants[name].runtime.speculative is not None)
+    plan: list[tuple[str, list[str]]] = []
+    for name in order:
+        variant, twin = variants[name], plain_twin(variants[name])
+        draft = variant.runtime.speculative.draft if variant.runtime.speculative else None
+        earlier = [other for other, _ in plan]
+        plan.append((name, [o for o in earlier if o == draft or (twin is not None and variants[o] == twin)]))
+    return plan
+
+
 def build_variant(
     name: str,
     variant: VariantConfig,
