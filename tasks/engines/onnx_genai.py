@@ -175,7 +175,11 @@ class OrtBatchDecoder(BatchDecoder):
         )
         self._ort = ort
         try:
-            graph = last_position_logits(model_path)
+            import onnx
+
+            model = onnx.load(model_path, load_external_data=False)  # the graph alone, once
+            int8_activations = _int8_activations(model)
+            graph = last_position_logits(model)
             self._session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         except (
             Exception
@@ -183,7 +187,7 @@ class OrtBatchDecoder(BatchDecoder):
             said = engine_says(exc)
             raise ArtifactUnreadable(f"{model_path}: ONNX Runtime cannot load this model: {said}") from exc
         self._prompt_session = self._session  # what runs a slice of FLOAT_PROMPT_TOKENS or more
-        if _int8_activations(graph) and free_memory() > 2 * _weights_bytes(model_path):
+        if int8_activations and free_memory() > 2 * _weights_bytes(model_path):
             options.add_session_config_entry("mlas.qnbit.force_fp32", "1")
             # its own thread pool: idle between its calls (long ones) instead of spinning beside the steps' pool
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -370,15 +374,13 @@ class OrtBatchDecoder(BatchDecoder):
         self._binding = binding
 
 
-def last_position_logits(model_path: Path) -> bytes:
+def last_position_logits(model: Any) -> bytes:
     """The builder's graph with its lm_head applied to each row's last position only: the server needs no other
     position's logits, and over a prompt the lm_head (the vocabulary times the hidden size, per position) was ~17 %
     of the call (SmolLM2-135M, 100 tokens). The same logits for that position (the rows are sliced before the
-    lm_head, nothing else changes)."""
-    import onnx
+    lm_head, nothing else changes). `model`: the builder's ModelProto, without its weights (changed in place)."""
     from onnx import helper, numpy_helper
 
-    model = onnx.load(model_path, load_external_data=False)
     graph = model.graph
     head = next(node for node in graph.node if "logits" in node.output)
     if head.op_type not in ("MatMul", "MatMulNBits"):  # another head (a soft-capped one, say): left whole
@@ -393,14 +395,11 @@ def last_position_logits(model_path: Path) -> bytes:
     return model.SerializeToString()
 
 
-def _int8_activations(graph: bytes) -> bool:
-    """Whether any MatMulNBits of the serialized graph computes with int8 activations (accuracy_level 4)."""
-    import onnx
-
-    nodes = onnx.load_from_string(graph).graph.node
+def _int8_activations(model: Any) -> bool:
+    """Whether any MatMulNBits of the graph (a ModelProto) computes with int8 activations (accuracy_level 4)."""
     return any(
         attribute.name == "accuracy_level" and attribute.i == 4
-        for node in nodes
+        for node in model.graph.node
         if node.op_type == "MatMulNBits"
         for attribute in node.attribute
     )

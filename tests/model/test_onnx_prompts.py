@@ -52,10 +52,16 @@ def sessions_used(decoder: OrtBatchDecoder) -> list[str]:
 
 
 def test_long_slices_run_with_float_activations_steps_and_short_slices_as_the_graph_says(int4_runtime):
+    import onnx
+
     decoder = int4_runtime.batch_decoder()
     model = Path(int4_runtime._folder) / "model.onnx"
-    assert _int8_activations(model.read_bytes())
+    assert _int8_activations(onnx.load(model, load_external_data=False))
     assert decoder._prompt_session is not decoder._session  # a second session, float activations
+    option = "mlas.qnbit.force_fp32"
+    assert decoder._prompt_session.get_session_options().get_session_config_entry(option) == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # the graph's own: as built
+        decoder._session.get_session_options().get_session_config_entry(option)
     calls = sessions_used(decoder)
     prompt = [(7 * index) % 200 + 3 for index in range(FLOAT_PROMPT_TOKENS + 9)]
     sequence, _ = decoder.add(prompt)  # one slice of more than FLOAT_PROMPT_TOKENS tokens
