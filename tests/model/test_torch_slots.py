@@ -297,19 +297,6 @@ def test_the_scheduler_feeds_waiting_prompts_into_the_running_rows_call_under_th
 def test_a_full_kv_budget_makes_requests_wait_and_a_cancelled_one_frees_its_row(bf16_runtime):
     """With KV room for two requests, four never run more than two at once (they wait: no error, no refusal);
     a cancelled request's row goes to the next in line."""
-    from tests.model.test_chunked_prefill import RUNNING, serve_gated
+    from tests.model.test_chunked_prefill import kv_wait_and_cancel
 
-    runtime = bf16_runtime
-    prompts = [runtime.encode(t) for t in (RUNNING, "A bridge over the river", "Winter letters", "The train")]
-    requests = [(prompt, 40 - len(prompt)) for prompt in prompts]
-    answers, steps, _ = serve_gated(runtime, requests, kv_tokens=90, max_batch=4, step_tokens=64)
-    alone = [runtime.generate([prompt], n, stop_at_eos=False)[0] for prompt, n in requests]
-    assert agreement(answers, alone) >= 0.9
-    assert max(rows + len(fills) for rows, fills in steps) == 2, steps
-    requests = [
-        (prompts[0], 400),
-        (prompts[1], 8),
-    ]  # room for one: the second runs once the first is cancelled
-    answers, steps, _ = serve_gated(runtime, requests, kv_tokens=430, cancel_first_at=3, max_batch=4)
-    assert len(answers[0]) == 3 and len(answers[1]) == 8
-    assert max(rows + len(fills) for rows, fills in steps) == 1, steps
+    kv_wait_and_cancel(bf16_runtime, lambda got, alone: agreement(got, alone) >= 0.9)
