@@ -23,8 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.api import openai, tgi
+from serving.api import catalog as wire_apis
 from serving.api.common import ServerState, state_of
+from serving.api.registry import error_shape
 from serving.generation import RETRY_AFTER_S
 from serving.metrics import ServerMetrics
 from serving.models import ModelRouter, ServedModel
@@ -55,8 +56,9 @@ def create_app(router: ModelRouter, settings: ServeConfig, metrics: ServerMetric
     )
     app.add_middleware(RequestMetrics, metrics=metrics)
     _add_error_handlers(app)
-    for routes in (_operations, openai.router, tgi.router):
-        app.include_router(routes)
+    app.include_router(_operations)
+    for api in wire_apis.load().values():  # OpenAI's, TGI's and any plug-in's (serving/api/registry.py)
+        app.include_router(api.router)
     return app
 
 
@@ -104,18 +106,11 @@ def _describe(model: ServedModel) -> dict:
 # --- transport: errors, body limit, metrics ---------------------------------------------------------------------
 
 
-TGI_ROUTES = frozenset({"/", "/generate", "/generate_stream", "/info", "/tokenize"})
-
-
 def _error(
     status: int, message: str, kind: str, headers: dict | None = None, path: str | None = None
 ) -> JSONResponse:
     """A refusal in the shape of the API asked: TGI's on TGI's routes, OpenAI's everywhere else."""
-    if path in TGI_ROUTES:
-        body = tgi.error_body(status, message, kind)
-    else:
-        body = openai.error_body(status, message, kind)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_shape(path)(status, message, kind), status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -14,18 +14,19 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tasks import plugins
 from tasks.config import RuntimeSettings
 from tasks.errors import ConfigError
 from tasks.params import Config
-from tasks.techniques import catalog, registry
+from tasks.techniques import registry
 
 
 def load_config(path: Path, notice: Callable[[str], None] | None = None) -> Config:
     """Read and validate params.yaml; every problem becomes one ConfigError line naming the key path. A setting
     spelled the former way works and is named to `notice` (default: one line on stderr)."""
     notice = notice or _print_notice
-    if catalog.LOAD_PROBLEMS:  # a technique module that failed to load: the schema lacks its steps
-        raise ConfigError(catalog.LOAD_PROBLEMS[0])
+    if plugins.LOAD_PROBLEMS:  # a plug-in module that failed to load: the schema lacks its steps
+        raise ConfigError(plugins.LOAD_PROBLEMS[0])
     if not path.is_file():
         raise ConfigError(f"{path}: file not found")
     try:

@@ -151,15 +151,18 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
         return
     import tasks.techniques.gguf as gguf
     import tasks.techniques.onnx_export as onnx_export
-    import tasks.techniques.quantize as quantize
-    from tasks.engines.torch_weights import HF_SAFETENSORS
+    import tasks.techniques.quantize.step as quantize
+    from tasks.techniques.quantize.methods import Quantized
+    from tasks.weights.safetensors import HF_SAFETENSORS
 
     real_quantize, real_export = quantize.quantize_model, onnx_export.build_onnx_genai
     real_convert = gguf.convert_to_gguf
     scratch = Path(tempfile.mkdtemp(prefix="planted-"))
     if kind == "noop":
         monkeypatch.setattr(
-            quantize, "quantize_model", lambda model, step, calibration, *rest: (model, HF_SAFETENSORS)
+            quantize,
+            "quantize_model",
+            lambda model, step, calibration, *rest: Quantized(model, HF_SAFETENSORS),
         )
         monkeypatch.setattr(
             onnx_export,

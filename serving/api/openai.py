@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Request
 
 from serving.api.common import require_api_key, sse, start_generation, state_of
 from serving.api.openai_protocol import ChatRequest, CompletionRequest, OpenAISampling
+from serving.api.registry import WireApi, register_api
 from serving.generation import Finish, Generation, Piece, PromptScores
 from serving.models import ServedModel
 from serving.text import RequestError, chat_prompt, encode_prompt
@@ -325,3 +326,6 @@ async def _merged(choices: list[Choice]) -> AsyncIterator[tuple[int, Piece | Pro
             task.cancel()
         for choice in choices:
             choice.generation.request.cancel()
+
+
+register_api(WireApi("openai", router, error_body, default=True))

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from serving.api.common import require_api_key, sse, start_generation, state_of
+from serving.api.registry import WireApi, register_api
 from serving.api.tgi_protocol import GenerateRequest, TokenizeRequest
 from serving.generation import Finish, Generation, Piece, PromptScores
 from serving.text import RequestError, encode_prompt
@@ -206,3 +207,10 @@ def _version() -> str:
         return version("llmopt")
     except PackageNotFoundError:
         return "source"
+
+
+register_api(
+    WireApi(
+        "tgi", router, error_body, frozenset({"/", "/generate", "/generate_stream", "/info", "/tokenize"})
+    )
+)

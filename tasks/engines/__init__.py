@@ -1,7 +1,8 @@
-"""Engines: the Runtime contract (`contract.py`), one module per engine, and the loading of each weights format.
+"""Engines: the Runtime contract (`contract.py`), one module per engine, registered by name (`registry.py`).
 
 Evaluation, benchmark and serving open every variant with `load_runtime`; nothing outside this package needs to
-know which engine runs a variant.
+know which engine runs a variant. Importing the package registers the built-in engines; plug-in engines
+(tasks/plugins.py) register when a variant is first opened.
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from pathlib import Path
 from tasks.engines import llama_cpp, onnx_genai, pytorch, speculative
 from tasks.engines.contract import Runtime
 from tasks.engines.manifest import same_tokenizer, verify_variant
+from tasks.engines.registry import ENGINES
 from tasks.errors import ArtifactError, TargetError
+from tasks.plugins import load_plugins
 
-ENGINES: dict[str, type[Runtime]] = {
-    pytorch.ENGINE: pytorch.TorchRuntime,
-    onnx_genai.ENGINE: onnx_genai.OrtGenAIRuntime,
-    llama_cpp.ENGINE: llama_cpp.LlamaCppRuntime,
-}
+BUILT_IN = (pytorch, onnx_genai, llama_cpp)  # each registers its engine when imported
 
 __all__ = ["ENGINES", "Runtime", "load_runtime"]
 
@@ -28,6 +27,7 @@ def load_runtime(folder: Path, threads: int, device: str = "cpu", tensor_paralle
     content hash (a damaged file is an ArtifactError). `tensor_parallel` > 1 (target.tensor_parallel): the torch
     engine split over that many ranks, which llmopt starts (tasks/engines/tensor_parallel.py)."""
     manifest = verify_variant(folder)
+    load_plugins()
     if manifest.engine not in ENGINES:
         raise ArtifactError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(ENGINES)}")
     engine = ENGINES[manifest.engine]

@@ -53,7 +53,7 @@ import collections
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tasks.engines.manifest import VariantManifest
 
@@ -64,6 +64,10 @@ class Runtime(abc.ABC):
     manifest: VariantManifest  # how the variant was built; engine and weights format included
     tokenizer: Any  # the variant's Hugging Face tokenizer (see the module docstring: shared by every engine)
     context_length: int  # the most tokens (prompt + continuation, or one scored sequence) the model takes
+    ENGINE: ClassVar[str]  # the name a variant's manifest records as its `engine` (tasks/engines/registry.py)
+    LIBRARIES: ClassVar[
+        tuple[str, ...]
+    ] = ()  # pip distributions it runs on: their versions enter the build key
     DEVICES: tuple[str, ...] = ("cpu",)  # the device kinds the engine places models on (`cuda` covers cuda:N)
     # The variant's speculative decoding (tasks/engines/speculative.py `Speculation`, attached by `load_runtime`
     # from runtime.speculative): `generate` uses it for prompts that run alone; None: plain decoding

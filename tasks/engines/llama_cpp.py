@@ -19,6 +19,7 @@ import numpy as np
 
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, next_token_nll, shared_start
 from tasks.engines.manifest import VariantManifest
+from tasks.engines.registry import register_engine
 from tasks.errors import ArtifactUnreadable, EngineError
 
 ENGINE = "llama.cpp"
@@ -96,8 +97,12 @@ class GgufModel:
             self.pointer = None
 
 
+@register_engine
 class LlamaCppRuntime(Runtime):
     """One GGUF model; a llama.cpp context per call shape, kept while the next call fits in it."""
+
+    ENGINE = ENGINE
+    LIBRARIES = ("llama-cpp-python",)
 
     def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
         from transformers import AutoTokenizer

@@ -18,6 +18,7 @@ from tasks.engines.contract import (
     shared_start,
 )
 from tasks.engines.manifest import VariantManifest
+from tasks.engines.registry import register_engine
 from tasks.errors import ArtifactUnreadable
 
 ENGINE = "onnxruntime-genai"
@@ -29,8 +30,12 @@ ONNX_GENAI = "onnx-genai"  # the weights format: the builder's output folder (ge
 FLOAT_PROMPT_TOKENS = 48
 
 
+@register_engine
 class OrtGenAIRuntime(Runtime):
     """ONNX Runtime GenAI's `og.Model`, driven through `og.Generator` (not thread-safe: one caller at a time)."""
+
+    ENGINE = ENGINE
+    LIBRARIES = ("onnxruntime-genai",)
 
     def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
         import onnxruntime_genai as og

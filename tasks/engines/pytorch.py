@@ -10,8 +10,9 @@ from typing import Any
 from tasks.config import RuntimeSettings
 from tasks.engines.contract import BatchDecoder, Runtime
 from tasks.engines.manifest import VariantManifest
-from tasks.engines.torch_weights import QUANTO, load_torch_model
-from tasks.errors import ArtifactError, EngineError
+from tasks.engines.registry import register_engine
+from tasks.errors import ArtifactError, EngineError, TargetError
+from tasks.weights.catalog import weights_format
 
 ENGINE = "torch"  # the manifest's `engine` for every variant this module runs
 KV_RESIDUAL_TOKENS = (
@@ -19,9 +20,13 @@ KV_RESIDUAL_TOKENS = (
 )
 
 
+@register_engine
 class TorchRuntime(Runtime):
     """PyTorch + transformers on `device`. `model` is the loaded transformers model (engine-specific, for tests
     and tools that inspect torch internals; measuring code uses only the Runtime contract)."""
+
+    ENGINE = ENGINE
+    LIBRARIES = ("torch", "transformers")
 
     DEVICES = ("cpu", "cuda")
 
@@ -41,10 +46,11 @@ class TorchRuntime(Runtime):
         self.manifest = manifest
         settings = manifest.runtime_settings()
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        stored = weights_format(manifest.weights_format, folder)
+        if tensor_parallel > 1 and not stored.splits:
+            raise TargetError(f"tensor parallelism splits float weights, not {manifest.weights_format} ones")
         try:
-            self.model = load_torch_model(
-                folder, manifest.weights_format, manifest.dtype, settings, device, tensor_parallel
-            )
+            self.model = stored.load(folder, manifest.dtype, settings, device, tensor_parallel)
         except (OSError, RuntimeError, ValueError) as exc:
             raise ArtifactError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
         self.device = torch.device(device)
@@ -67,7 +73,7 @@ class TorchRuntime(Runtime):
             dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         self._options = generation_options(settings, self.model.config.head_dim)
         # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
-        no_grad = torch.no_grad if manifest.weights_format == QUANTO else torch.inference_mode
+        no_grad = torch.inference_mode if stored.inference_mode else torch.no_grad
         self._no_grad = inference_context(no_grad, settings.sdpa_backend)
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:

@@ -26,8 +26,8 @@ from typing import Any
 from tasks.engines.contract import BatchDecoder
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.pytorch import TorchRuntime
-from tasks.engines.torch_weights import HF_SAFETENSORS
 from tasks.errors import EngineError, TargetError
+from tasks.weights.catalog import weights_format
 
 CLOSE = "close"  # the call that ends a worker rank
 
@@ -44,7 +44,7 @@ class TensorParallelRuntime(TorchRuntime):
             raise EngineError(
                 "target.tensor_parallel: this process already holds a tensor-parallel model (one at a time)"
             )
-        if manifest.weights_format != HF_SAFETENSORS:
+        if not weights_format(manifest.weights_format, folder).splits:
             raise TargetError(
                 f"{folder}: tensor parallelism splits float weights, not {manifest.weights_format} ones"
             )

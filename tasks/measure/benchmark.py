@@ -172,7 +172,7 @@ def decode_read_bytes(folder: Path, device: str = "cpu") -> int:
     Matrices quantized when loaded count as packed on the device, not as stored."""
     import json
 
-    from tasks.engines.torch_weights import ON_LOAD_FILE
+    from tasks.weights.on_load import ON_LOAD_FILE
 
     tensors = stored_tensor_bytes(folder)
     embeddings = sum(size for name, size in tensors.items() if name.endswith(EMBEDDING_TABLES))

@@ -68,7 +68,7 @@ class Distill(Technique):
     role = "transform"
 
     def apply(self, model: Any, settings: DistillStep, context: Any) -> Applied:
-        from tasks.engines.torch_weights import HF_SAFETENSORS
+        from tasks.weights.safetensors import HF_SAFETENSORS
 
         cfg = settings
         with step_arguments(self.name):

@@ -15,15 +15,18 @@ from typing import Any
 
 from tasks.engines import pytorch
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
+from tasks.engines.registry import engine_libraries
 from tasks.engines.speculative import DRAFT_FOLDER
-from tasks.engines.torch_weights import HF_SAFETENSORS, ON_LOAD
 from tasks.errors import ArtifactError, BuildError, ConfigError
 from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase, save_tokenizer
 from tasks.local_files import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
 from tasks.params import VariantConfig
 from tasks.techniques.calibration import statistics_cache
+from tasks.techniques.quantize.methods import METHODS
 from tasks.techniques.registry import ExportJob, StepArgumentError
+from tasks.weights.catalog import weights_format as stored_format
+from tasks.weights.safetensors import HF_SAFETENSORS
 
 
 @dataclass
@@ -52,7 +55,7 @@ class BuildContext:
 
 
 # What writes a variant's bytes: the build steps and the weights formats they save.
-BUILDER_MODULES = ("tasks.techniques", "tasks.engines.torch_weights", "tasks.engines.manifest")
+BUILDER_MODULES = ("tasks.techniques", "tasks.techniques.quantize", "tasks.weights", "tasks.engines.manifest")
 
 
 def variant_build_key(
@@ -173,8 +176,8 @@ def build_variant(
             base_hash=base.content_hash,
             data_hash=data_hash,
             weights_format=weights_format,
-            # methods torchao quantizes at load compute in bfloat16, whatever runtime.dtype says
-            dtype="bfloat16" if weights_format == ON_LOAD else variant.runtime.dtype,
+            # a format that fixes its dtype (torchao's on-load methods compute in bfloat16) over runtime.dtype
+            dtype=_stored_dtype(weights_format, engine, staging) or variant.runtime.dtype,
             engine=engine,
             parameters=parameters,
             size_bytes=folder_size(staging),
@@ -272,27 +275,23 @@ def _apply_recipe(
         parameters = exported.parameters if exported.parameters is not None else parameters
         return exported.weights_format, exported.engine, parameters, [*notes, *exported.notes]
     save_tokenizer(context.tokenizer, dest)
-    if weights_format != HF_SAFETENSORS:
-        from tasks.techniques.quantize import save_quantized
-
-        save_quantized(model, weights_format, dest, record)
-    else:
-        model.to(getattr(torch, variant.runtime.dtype)).save_pretrained(dest)
+    stored_format(weights_format, dest).save(model, dest, variant.runtime.dtype, record)
     return weights_format, pytorch.ENGINE, parameters, notes
 
 
+def _stored_dtype(weights_format: str, engine: str, folder: Path) -> str | None:
+    """The dtype a torch weights format fixes whatever runtime.dtype says (None: the runtime's)."""
+    return stored_format(weights_format, folder).dtype if engine == pytorch.ENGINE else None
+
+
 def _library_versions() -> dict[str, str]:
+    """Versions of what builds and runs variants: every registered engine's libraries and every quantize method's
+    packages (a package that is not installed is left out)."""
     from importlib import metadata
 
     versions = {}
-    for package in (
-        "torch",
-        "transformers",
-        "onnxruntime-genai",
-        "torchao",
-        "optimum-quanto",
-        "bitsandbytes",
-        "llama-cpp-python",
+    for package in sorted(
+        {*engine_libraries(), *(p for method in METHODS.values() for p in method.packages)}
     ):
         try:
             versions[package] = metadata.version(package)

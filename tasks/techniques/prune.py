@@ -75,7 +75,7 @@ class Prune(Technique):
     role = "transform"
 
     def apply(self, model: Any, settings: PruneStep, context: Any) -> Applied:
-        from tasks.engines.torch_weights import HF_SAFETENSORS
+        from tasks.weights.safetensors import HF_SAFETENSORS
 
         cfg, tokenizer = settings, context.tokenizer
         with step_arguments(self.name):

@@ -14,7 +14,7 @@ from tasks.techniques.calibration import WINDOW_TOKENS, capture_inputs, mean_squ
 from tasks.techniques.onnx_export import OnnxGenAIStep, _calibrated_int4
 from tasks.techniques.optimize import BuildContext
 from tasks.techniques.prune import Prune, PruneStep
-from tasks.techniques.quantize import Quantize, QuantizeStep
+from tasks.techniques.quantize.step import Quantize, QuantizeStep
 from tests.factories import synthetic_sentences
 
 # torch kernels sum in other orders per instruction set: `make test` runs these again on a second one

@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import typing
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tasks.engines.torch_weights import ON_LOAD, load_quantized
+from tasks.config import RuntimeSettings
 from tasks.errors import TargetError
 from tasks.measure.benchmark import decode_read_bytes, weight_bytes
 from tasks.params import Config
 from tasks.targets import target_problems
-from tasks.techniques.quantize import (
-    METHODS as QUANTIZE_METHODS,
-)
-from tasks.techniques.quantize import (
-    QuantizeMethod,
-    QuantizeStep,
-    on_load_record,
-    quantize_model,
-    save_quantized,
-)
+from tasks.techniques.quantize.methods import METHODS as QUANTIZE_METHODS
+from tasks.techniques.quantize.methods import Quantized
+from tasks.techniques.quantize.step import QuantizeStep, quantize_model
 from tasks.techniques.tinygemm_rounding import (
     gptq_onto_tinygemm,
     tinygemm_dequantized,
     tinygemm_levels,
     tinygemm_qparams,
 )
+from tasks.weights.catalog import weights_format
+from tasks.weights.on_load import ON_LOAD
 
 # torch kernels sum in other orders per instruction set: `make test` runs these again on a second one
 pytestmark = pytest.mark.numerics
@@ -37,20 +30,26 @@ pytestmark = pytest.mark.numerics
 # reload and lands within its own quantization noise (measured 0.009 on the tiny model).
 ROUND_TRIP_ATOL = {"quanto_w8a8": 0.05}
 # Quantized in memory and saved: every method that runs on a CPU, except those torchao quantizes when loaded
-METHODS = [
-    m
-    for m in typing.get_args(QuantizeMethod)
-    if "cpu" in QUANTIZE_METHODS[m].devices and not QUANTIZE_METHODS[m].on_load
-]
+METHODS = [m for m, method in QUANTIZE_METHODS.items() if "cpu" in method.devices and not method.on_load]
 IDS = torch.tensor([[5, 17, 33, 40, 77, 100, 120, 7, 9, 11, 60, 61]])
+
+
+def save_quantized(done: Quantized, dest) -> None:
+    """Write a quantized model with its weights format, as the build does."""
+    weights_format(done.weights_format, dest).save(done.model, dest, "float32", done.record)
+
+
+def load_quantized(folder, name: str, device: str = "cpu"):
+    """Load it back with the format's own loader, as the torch engine does."""
+    return weights_format(name, folder).load(folder, "float32", RuntimeSettings(), device, 1)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_quantized_model_round_trips_through_its_own_serialization(tiny_model_dir, tmp_path, method):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    quantized, weights_format = quantize_model(model, QuantizeStep(method=method), [IDS[0].tolist()] * 2)
-    save_quantized(quantized, weights_format, tmp_path)
-    reloaded = load_quantized(tmp_path, weights_format)
+    done = quantize_model(model, QuantizeStep(method=method), [IDS[0].tolist()] * 2)
+    save_quantized(done, tmp_path)
+    quantized, reloaded = done.model, load_quantized(tmp_path, done.weights_format)
     with torch.no_grad():
         before, after = quantized(IDS).logits, reloaded(IDS).logits
         continuation = reloaded.generate(IDS, max_new_tokens=4, do_sample=False)
@@ -103,9 +102,9 @@ def test_torchao_int4_is_packed_when_loaded_and_runs_exactly_the_stored_grid(
         model.model.layers[0].mlp.up_proj.weight[:4].mul_(1e-5)
     step = QuantizeStep(method=method)
     windows = [[(i * 7 + j) % 300 for j in range(48)] for i in range(4)]
-    quantized, weights_format = quantize_model(model, step, windows)
-    assert weights_format == ON_LOAD
-    save_quantized(quantized, weights_format, tmp_path, on_load_record(step))
+    done = quantize_model(model, step, windows)
+    assert done.weights_format == ON_LOAD
+    save_quantized(done, tmp_path)
     stored = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     loaded = load_quantized(tmp_path, ON_LOAD, "cpu")
     packed = [
@@ -205,6 +204,6 @@ def test_each_method_runs_on_the_devices_it_declares_and_is_refused_elsewhere_in
 def test_an_fp8_variant_loaded_on_a_cpu_says_it_needs_cuda(tiny_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     step = QuantizeStep(method="torchao_fp8_per_row")
-    save_quantized(*quantize_model(model, step, []), tmp_path, on_load_record(step))
+    save_quantized(quantize_model(model, step, []), tmp_path)
     with pytest.raises(TargetError, match="fp8_per_row runs on cuda, not cpu"):
         load_quantized(tmp_path, ON_LOAD, "cpu")

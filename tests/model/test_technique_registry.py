@@ -11,8 +11,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tasks import plugins
 from tasks.params import Step, VariantConfig
-from tasks.techniques import catalog, registry
+from tasks.techniques import registry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,7 +121,7 @@ def test_a_toy_technique_in_its_own_module_runs_through_validation_build_manifes
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "plugins"), str(REPO)]),
-        catalog.ENVIRONMENT: "toy_technique",
+        plugins.ENVIRONMENT: "toy_technique",
         "HF_HUB_OFFLINE": "1",
     }
     command = [sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(tmp_path)]
@@ -140,7 +141,7 @@ def test_a_toy_technique_in_its_own_module_runs_through_validation_build_manifes
 
 
 def test_a_technique_module_that_cannot_be_imported_is_one_line_naming_it(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), catalog.ENVIRONMENT: "no_such_technique"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), plugins.ENVIRONMENT: "no_such_technique"}
     command = [str(Path(sys.executable).parent / "llmopt"), "run"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0

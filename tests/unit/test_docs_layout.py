@@ -12,6 +12,8 @@ PACKAGES = (
     "tasks/engines",
     "tasks/inputs",
     "tasks/techniques",
+    "tasks/techniques/quantize",
+    "tasks/weights",
     "tasks/measure",
 )
 PACKAGES += ("tasks/decide", "tasks/report", "serving")

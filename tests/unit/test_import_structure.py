@@ -42,8 +42,11 @@ def imported_names(path: Path, module: str) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module → the project modules it imports (and, for the technique catalog, the built-in technique modules)."""
+    """module → the project modules it imports (and, for the catalogs, the built-in modules they import by name)."""
+    from serving.api.catalog import BUILT_IN as BUILT_IN_APIS
     from tasks.techniques.catalog import BUILT_IN
+    from tasks.techniques.quantize.step import BUILT_IN as BUILT_IN_METHODS
+    from tasks.weights.catalog import BUILT_IN as BUILT_IN_FORMATS
 
     modules = project_modules()
 
@@ -57,6 +60,11 @@ def import_graph() -> dict[str, set[str]]:
         targets = {resolve(name) for name in imported_names(path, module)} - {None, module}
         graph[module] = targets
     graph["tasks.techniques.catalog"] |= {f"tasks.techniques.{name}" for name in BUILT_IN}
+    graph["tasks.weights.catalog"] |= {f"tasks.weights.{name}" for name in BUILT_IN_FORMATS}
+    graph["serving.api.catalog"] |= {f"serving.api.{name}" for name in BUILT_IN_APIS}
+    graph["tasks.techniques.quantize.step"] |= {
+        f"tasks.techniques.quantize.{name}" for name in BUILT_IN_METHODS
+    }
     return graph
 
 
