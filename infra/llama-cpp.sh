@@ -6,7 +6,7 @@
 # source package and the wheel are kept in $LLMOPT_WHEELHOUSE (default ~/.cache/llmopt/wheels; the wheel in a
 # folder named by the build flags and the CPU's instruction sets); later installs on the same CPU reuse them. The
 # converter (convert_hf_to_gguf.py, conversion/, gguf-py/) comes from the same source package's llama.cpp tree
-# and goes to <venv>/share/llama.cpp, where tasks/techniques/gguf.py runs it.
+# and goes to <venv>/share/llama.cpp, where tasks/engines/llama_cpp/gguf.py runs it.
 # Usage: infra/llama-cpp.sh VENV VERSION
 set -euo pipefail
 venv=$1 version=$2

@@ -139,15 +139,15 @@ def folder_size(folder: Path) -> int:
 
 
 def code_sha256(modules: tuple[str, ...]) -> str:
-    """SHA-256 of the source of the named modules (a package counts with every .py file in its folder), found
-    by import name so keys that include code survive files moving between folders."""
+    """SHA-256 of the source of the named modules (a package counts with every .py file in its folder and its
+    subpackages), found by import name so keys that include code survive files moving between folders."""
     digest = hashlib.sha256()
     for name in modules:
         spec = importlib.util.find_spec(name)
         if spec is None or spec.origin is None:
             raise ModuleNotFoundError(f"code key: no module {name}")
         origin = Path(spec.origin)
-        files = sorted(origin.parent.glob("*.py")) if spec.submodule_search_locations else [origin]
+        files = sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin]
         for path in files:
             digest.update(path.read_bytes())
     return digest.hexdigest()

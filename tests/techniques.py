@@ -149,8 +149,8 @@ def planted_quantizer(kind: str | None, monkeypatch: pytest.MonkeyPatch):
     if kind is None:
         yield
         return
-    import tasks.techniques.gguf as gguf
-    import tasks.techniques.onnx_export as onnx_export
+    import tasks.engines.llama_cpp.gguf as gguf
+    import tasks.engines.onnx.export as onnx_export
     import tasks.techniques.quantize.step as quantize
     from tasks.techniques.quantize.methods import Quantized
     from tasks.weights.safetensors import HF_SAFETENSORS
@@ -297,7 +297,7 @@ def codebook(kind: str) -> np.ndarray:
 def stored_problems(folder: Path, claim: Claim, runtime: Runtime) -> list[str]:
     """Where the stored variant is not what `claim` says (empty when it is)."""
     if claim.stored == "onnx":
-        from tasks.techniques.onnx_export import weight_bits
+        from tasks.engines.onnx.export import weight_bits
 
         bits = weight_bits(folder)
         matrices = {n: b for n, b in bits.items() if "layers." in n}
@@ -306,8 +306,8 @@ def stored_problems(folder: Path, claim: Claim, runtime: Runtime) -> list[str]:
             [] if len(matrices) == 5 * LAYERS else [f"{len(matrices)} of {5 * LAYERS} matrices quantized"]
         )
     if claim.stored == "gguf":
-        from tasks.engines.llama_cpp import MODEL_FILE
-        from tasks.techniques.gguf import tensor_types
+        from tasks.engines.llama_cpp.gguf import tensor_types
+        from tasks.engines.llama_cpp.runtime import MODEL_FILE
 
         types = {
             n: t

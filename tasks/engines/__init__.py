@@ -1,4 +1,6 @@
-"""Engines: the Runtime contract (`contract.py`), one module per engine, registered by name (`registry.py`).
+"""Engines: the Runtime contract (`contract.py`) and one package per engine, each registered by name
+(`registry.py`): `pytorch/`, `onnx/`, `llama_cpp/`, each with its runtime in `runtime.py` and, where the engine has
+one, the export technique that builds its variants in `export.py` (the technique catalog loads those).
 
 Evaluation, benchmark and serving open every variant with `load_runtime`; nothing outside this package needs to
 know which engine runs a variant. Importing the package registers the built-in engines; plug-in engines
@@ -7,16 +9,20 @@ know which engine runs a variant. Importing the package registers the built-in e
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
-from tasks.engines import llama_cpp, onnx_genai, pytorch, speculative
+from tasks.engines import speculative
 from tasks.engines.contract import Runtime
 from tasks.engines.manifest import same_tokenizer, verify_variant
 from tasks.engines.registry import ENGINES
 from tasks.errors import ArtifactError, TargetError
 from tasks.plugins import load_plugins
 
-BUILT_IN = (pytorch, onnx_genai, llama_cpp)  # each registers its engine when imported
+# The built-in engines, one package each under tasks/engines/: adding one is its folder and a name here.
+BUILT_IN = ("pytorch", "onnx", "llama_cpp")
+for _engine in BUILT_IN:
+    importlib.import_module(f"tasks.engines.{_engine}.runtime")  # registers the engine
 
 __all__ = ["ENGINES", "Runtime", "load_runtime"]
 
@@ -25,7 +31,7 @@ def load_runtime(folder: Path, threads: int, device: str = "cpu", tensor_paralle
     """Open the variant in `folder` with the engine its manifest names, on `device` (params.yaml target.device)
     with `threads` CPU threads unless the recipe sets them, once its bytes are verified against the manifest's
     content hash (a damaged file is an ArtifactError). `tensor_parallel` > 1 (target.tensor_parallel): the torch
-    engine split over that many ranks, which llmopt starts (tasks/engines/tensor_parallel.py)."""
+    engine split over that many ranks, which llmopt starts (tasks/engines/pytorch/tensor_parallel.py)."""
     manifest = verify_variant(folder)
     load_plugins()
     if manifest.engine not in ENGINES:
@@ -37,11 +43,11 @@ def load_runtime(folder: Path, threads: int, device: str = "cpu", tensor_paralle
         )
     threads = manifest.runtime_settings().threads or threads
     if tensor_parallel > 1:
-        if engine is not pytorch.TorchRuntime:
+        if engine is not ENGINES["torch"]:
             raise TargetError(f"{folder}: tensor parallelism is the torch engine's, not {manifest.engine}'s")
         if manifest.runtime_settings().speculative is not None:
             raise TargetError(f"{folder}: speculative decoding runs on one device, not split over ranks")
-        from tasks.engines.tensor_parallel import TensorParallelRuntime
+        from tasks.engines.pytorch.tensor_parallel import TensorParallelRuntime
 
         return TensorParallelRuntime(folder, manifest, threads, device, tensor_parallel)
     runtime = engine(folder, manifest, threads, device)

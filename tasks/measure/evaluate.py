@@ -22,7 +22,12 @@ from tasks.failpoints import failpoint
 from tasks.local_files import code_sha256, staged_file
 
 # What an evaluation's numbers depend on besides the bytes and the text: this module and every engine.
-MEASURING_MODULES = ("tasks.measure.evaluate", "tasks.measure.lm_eval_adapter", "tasks.engines")
+MEASURING_MODULES = (
+    "tasks.measure.evaluate",
+    "tasks.measure.lm_eval_adapter",
+    "tasks.engines",
+    "tasks.weights",
+)
 
 
 @dataclass(frozen=True)

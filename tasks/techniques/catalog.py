@@ -9,19 +9,31 @@ imports the other's side."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
 
+from tasks.engines import BUILT_IN as ENGINES
 from tasks.plugins import load_plugins
 from tasks.techniques.registry import TECHNIQUES, Technique, write_table_into
 
-# Modules under tasks.techniques that register the built-in techniques, in the order the schema lists them.
-BUILT_IN = ("prune", "distill", "quantize.step", "onnx_export", "gguf_export")
+# The modules that register the built-in techniques, in the order the schema lists them: the transforms and
+# quantize here, then each built-in engine's export technique (tasks/engines/<engine>/export.py, where it has one).
+BUILT_IN = (
+    "tasks.techniques.prune",
+    "tasks.techniques.distill",
+    "tasks.techniques.quantize.step",
+    *(
+        f"tasks.engines.{engine}.export"
+        for engine in ENGINES
+        if importlib.util.find_spec(f"tasks.engines.{engine}.export") is not None
+    ),
+)
 
 
 def load() -> dict[str, Technique]:
     """Import the built-in techniques, then the plug-ins (tasks/plugins.py); returns the registry."""
     for module in BUILT_IN:
-        importlib.import_module(f"tasks.techniques.{module}")
+        importlib.import_module(module)
     load_plugins()
     return TECHNIQUES
 

@@ -7,7 +7,7 @@ onnxruntime's own (`absmax`: the largest magnitude at level −8, and that eleme
 scale that minimises the block's squared error weighted by each input's importance, its mean squared activation
 on the calibration split: llama.cpp's importance-matrix search (`make_qx_quants`: 19 candidate grids, each with its
 least-squares scale). Rounding to nearest on the weighted scales needs no Hessian. The levels and scales are
-written into the exported graph directly (tasks/techniques/onnx_weights.py) and read back to check them.
+written into the exported graph directly (tasks/engines/onnx/weights.py) and read back to check them.
 
 Measured on SmolLM2-135M (evaluation perplexity ÷ fp32, simulated in torch; the export's own figures are in
 docs/results.md): round-to-nearest ×1.33; weighted scales ×1.11; GPTQ ×1.14, on weighted scales ×1.09. The tied

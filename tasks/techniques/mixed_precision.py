@@ -119,7 +119,7 @@ def int8_overrides(nodes: list[str], tied: bool) -> dict[str, Any]:
     """The model builder's `--target_options` keeping `nodes` at int8 in an int4 export. op_types are named, or the
     structured config quantizes MatMuls only and an embedding is stored float32; but a tied model's embedding is
     left to the builder's float Gather when its lm_head is int8 (builder 0.18 writes an invalid graph for an int8
-    shared table), which tasks/techniques/onnx_weights.py then points at the lm_head's int8 table where it can."""
+    shared table), which tasks/engines/onnx/weights.py then points at the lm_head's int8 table where it can."""
     op_types = ["MatMul"] if tied and "/lm_head/MatMul" in nodes else ["MatMul", "Gather"]
     overrides = [{"match": {"name": node}, "type": "int8"} for node in nodes]
     return {"quant_config": {"weights": {"op_types": op_types, "overrides": overrides}}}

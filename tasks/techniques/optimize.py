@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.engines import pytorch
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
+from tasks.engines.pytorch import runtime as pytorch
 from tasks.engines.registry import engine_libraries
 from tasks.engines.speculative import DRAFT_FOLDER
 from tasks.errors import ArtifactError, BuildError, ConfigError
@@ -55,7 +55,13 @@ class BuildContext:
 
 
 # What writes a variant's bytes: the build steps and the weights formats they save.
-BUILDER_MODULES = ("tasks.techniques", "tasks.techniques.quantize", "tasks.weights", "tasks.engines.manifest")
+BUILDER_MODULES = (
+    "tasks.techniques",
+    "tasks.weights",
+    "tasks.engines.onnx",  # the exports write the engines' bytes (and the runtimes beside them measure plans)
+    "tasks.engines.llama_cpp",
+    "tasks.engines.manifest",
+)
 
 
 def variant_build_key(

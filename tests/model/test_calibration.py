@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tasks.engines.onnx.export import OnnxGenAIStep, _calibrated_int4
 from tasks.params import VariantConfig
 from tasks.techniques.calibration import WINDOW_TOKENS, capture_inputs, mean_square, unit_token_gram
-from tasks.techniques.onnx_export import OnnxGenAIStep, _calibrated_int4
 from tasks.techniques.optimize import BuildContext
 from tasks.techniques.prune import Prune, PruneStep
 from tasks.techniques.quantize.step import Quantize, QuantizeStep
@@ -207,7 +207,7 @@ def test_the_importance_matrix_reuses_the_onnx_weighted_scales_capture(
     """llama.cpp's importance matrix and the ONNX export's importance-weighted scales read the same statistic of
     the same inputs: with the statistics cache one calibration pass serves both (either order)."""
     import tasks.techniques.calibration as calibration
-    from tasks.techniques import gguf
+    from tasks.engines.llama_cpp import gguf
 
     runs = []
     real_capture = calibration._capture

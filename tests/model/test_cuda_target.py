@@ -48,7 +48,7 @@ def test_the_gpus_padded_batch_decoder_steps_sequences_of_different_lengths_as_e
     logits equal to a sequence stepped alone within fp32 rounding, and sequences may join and leave between steps."""
     import numpy as np
 
-    from tasks.engines.pytorch import PaddedBatchDecoder
+    from tasks.engines.pytorch.runtime import PaddedBatchDecoder
 
     runtime = load_runtime(baseline_dir, threads=1)
     alone, padded = (

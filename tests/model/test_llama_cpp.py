@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tasks.engines import load_runtime
-from tasks.engines.llama_cpp import MODEL_FILE
+from tasks.engines.llama_cpp.runtime import MODEL_FILE
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
@@ -79,7 +79,7 @@ def test_the_importance_matrix_covers_every_matrix_and_changes_the_rounding(tiny
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.techniques.gguf import gguf_tensor_name, importance_matrix
+    from tasks.engines.llama_cpp.gguf import gguf_tensor_name, importance_matrix
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base.path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tiny_base.path)
@@ -131,7 +131,7 @@ def test_every_llama_cpp_computation_runs_on_one_thread_whoever_calls(tiny_engin
     on this thread and a batch decoder's steps on another both run on the engine's one compute thread."""
     import threading
 
-    from tasks.engines.llama_cpp import llama_cpp_module
+    from tasks.engines.llama_cpp.runtime import llama_cpp_module
 
     runtime = load_runtime(tiny_engine_dir("llama.cpp"), threads=1)
     lib, threads = llama_cpp_module(), []

@@ -10,12 +10,12 @@ import torch
 
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
+from tasks.engines.onnx.export import weight_bits
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
 from tasks.params import VariantConfig
 from tasks.techniques.mixed_precision import export_matrices, fake_quantize
-from tasks.techniques.onnx_export import weight_bits
 from tests.factories import synthetic_sentences
 
 # torch kernels sum in other orders per instruction set: `make test` runs these again on a second one
@@ -198,7 +198,7 @@ def test_llama_cpp_keeps_the_planted_layer_at_q8_0_and_the_rest_at_q4_0_using_ca
 ):
     """In llama.cpp the search measures each layer at Q8_0 and each plan in llama.cpp itself: the layer holding
     the planted matrix is kept, the other goes to Q4_0, and the GGUF stores exactly that."""
-    from tasks.techniques.gguf import tensor_types
+    from tasks.engines.llama_cpp.gguf import tensor_types
 
     settings = RECIPE["steps"][0]["onnx_genai"]["mixed_precision"] | {
         "size_budget": 0.8
@@ -223,8 +223,8 @@ def test_llama_cpp_ranks_layers_on_its_torch_twin_and_measures_only_the_plans(
     """`sensitivity: simulated`: each layer's saving at Q8_0 comes from the torch twin of Q4_0 with an importance
     matrix (no llama.cpp quantization per layer), the plans from llama.cpp; the planted layer is still the one
     kept, and llama.cpp quantized a trial GGUF only for the plans."""
-    from tasks.techniques import gguf
-    from tasks.techniques.gguf import tensor_types
+    from tasks.engines.llama_cpp import gguf
+    from tasks.engines.llama_cpp.gguf import tensor_types
 
     trials = []
     real_quantize = gguf.quantize_gguf
@@ -355,8 +355,8 @@ def test_int4_levels_and_scales_pack_into_matmulnbits_bytes_and_back(tmp_path):
     """MatMulNBits' layout: two levels a byte, low nibble first, level + 8; a ragged last block padded with 0."""
     import numpy as np
 
+    from tasks.engines.onnx.weights import pack_int4
     from tasks.techniques.gptq_rounding import BlockwiseInt
-    from tasks.techniques.onnx_weights import pack_int4
 
     levels = torch.randint(-8, 8, (5, 40), dtype=torch.int8)
     packed, scales = pack_int4(BlockwiseInt(levels, torch.rand(5, 2), 32))
@@ -383,9 +383,9 @@ def test_the_export_holds_exactly_the_planned_integers_and_scales_and_runs_on_th
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tasks.engines import load_runtime
+    from tasks.engines.onnx.weights import read_int4
     from tasks.techniques.calibration import WINDOW_TOKENS
     from tasks.techniques.gptq_rounding import round_matrices
-    from tasks.techniques.onnx_weights import read_int4
     from tasks.techniques.optimize import BuildContext
 
     folder, manifest, calibration = _build(
@@ -504,7 +504,7 @@ def test_the_per_layer_search_measures_only_what_can_change_the_plan(tiny_model_
     layer is measured, and a size budget with no room for one layer at Q8_0 is refused before anything is."""
     from transformers import AutoModelForCausalLM
 
-    from tasks.techniques import gguf
+    from tasks.engines.llama_cpp import gguf
     from tasks.techniques.mixed_precision import search
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

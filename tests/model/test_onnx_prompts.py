@@ -1,5 +1,5 @@
 """The ONNX decoder runs long prompt slices with float activations where the graph rounds them to int8 (its
-MatMulNBits at accuracy level 4), and steps and short slices as the graph says (tasks/engines/onnx_genai.py)."""
+MatMulNBits at accuracy level 4), and steps and short slices as the graph says (tasks/engines/onnx/runtime.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tasks.engines import load_runtime
-from tasks.engines.onnx_genai import FLOAT_PROMPT_TOKENS, OrtBatchDecoder, _int8_activations
+from tasks.engines.onnx.runtime import FLOAT_PROMPT_TOKENS, OrtBatchDecoder, _int8_activations
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant

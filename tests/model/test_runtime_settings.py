@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tasks.engines import load_runtime
-from tasks.engines.pytorch import generation_options, kv_cache_bytes
+from tasks.engines.pytorch.runtime import generation_options, kv_cache_bytes
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
@@ -96,7 +96,7 @@ def test_the_efficient_kernel_gets_repeated_key_value_heads_with_the_same_attent
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers.integrations import sdpa_attention
 
-    from tasks.engines import pytorch
+    from tasks.engines.pytorch import runtime as pytorch
 
     assert runtimes["sdpa_efficient"] is not None  # its runtime installed the rule
     key = torch.zeros(1, 2, 5, 16)

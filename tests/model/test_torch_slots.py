@@ -1,4 +1,4 @@
-"""The torch engine's slot decoder (tasks/engines/torch_slots.py) on the trained tiny model in bfloat16: every running
+"""The torch engine's slot decoder (tasks/engines/pytorch/slots.py) on the trained tiny model in bfloat16: every running
 sequence in one call per step, sequences joining and leaving between steps, each row at its own position; its logits
 match stepping each sequence alone to bfloat16 rounding (the tolerance below), as the padded batch on a GPU does."""
 
@@ -9,8 +9,8 @@ import pytest
 
 from tasks.config import ServeConfig
 from tasks.engines import load_runtime
-from tasks.engines.pytorch import TorchBatchDecoder
-from tasks.engines.torch_slots import SlotBatchDecoder, steps_in_slots
+from tasks.engines.pytorch.runtime import TorchBatchDecoder
+from tasks.engines.pytorch.slots import SlotBatchDecoder, steps_in_slots
 from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
 
@@ -36,7 +36,7 @@ def packing(request, monkeypatch) -> bool:
     `F.linear` on the model's own weights."""
     import weakref
 
-    from tasks.engines import torch_slots
+    from tasks.engines.pytorch import slots as torch_slots
 
     monkeypatch.setattr(torch_slots, "_PACKED", weakref.WeakKeyDictionary())
     if request.param == "plain":
@@ -46,7 +46,7 @@ def packing(request, monkeypatch) -> bool:
 
 def uses(decoder, packing: bool, runtime) -> None:
     """`decoder` runs the packed maps exactly when asked to and the CPU allows it."""
-    from tasks.engines.torch_slots import _packs
+    from tasks.engines.pytorch.slots import _packs
 
     assert decoder._weights[0][0].packed == (packing and _packs(runtime.model))
 
@@ -199,7 +199,7 @@ def test_fused_maps_with_biases_give_each_maps_own_output(pack):
     each map's own, packed or plain."""
     import torch
 
-    from tasks.engines.torch_slots import _Weights
+    from tasks.engines.pytorch.slots import _Weights
 
     torch.manual_seed(0)
     maps = [
@@ -222,7 +222,7 @@ def _can_pack(linear) -> bool:
     import torch
 
     try:
-        from tasks.engines.torch_slots import _Weights
+        from tasks.engines.pytorch.slots import _Weights
 
         _Weights([linear], True)(torch.zeros(1, linear.weight.shape[1], dtype=torch.bfloat16))
         return True

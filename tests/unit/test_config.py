@@ -6,11 +6,11 @@ import pytest
 import yaml
 
 from tasks.config import RuntimeSettings
+from tasks.engines.onnx.export import OnnxGenAIStep
 from tasks.errors import ConfigError
 from tasks.params import Config, VariantConfig
 from tasks.params_file import load_config
 from tasks.techniques.distill import DistillStep
-from tasks.techniques.onnx_export import OnnxGenAIStep
 from tasks.techniques.prune import PruneStep
 from tasks.techniques.quantize.methods import METHODS
 from tasks.techniques.quantize.step import QuantizeStep

@@ -44,6 +44,7 @@ def imported_names(path: Path, module: str) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     """module → the project modules it imports (and, for the catalogs, the built-in modules they import by name)."""
     from serving.api.catalog import BUILT_IN as BUILT_IN_APIS
+    from tasks.engines import BUILT_IN as BUILT_IN_ENGINES
     from tasks.techniques.catalog import BUILT_IN
     from tasks.techniques.quantize.step import BUILT_IN as BUILT_IN_METHODS
     from tasks.weights.catalog import BUILT_IN as BUILT_IN_FORMATS
@@ -59,7 +60,8 @@ def import_graph() -> dict[str, set[str]]:
     for module, path in modules.items():
         targets = {resolve(name) for name in imported_names(path, module)} - {None, module}
         graph[module] = targets
-    graph["tasks.techniques.catalog"] |= {f"tasks.techniques.{name}" for name in BUILT_IN}
+    graph["tasks.techniques.catalog"] |= set(BUILT_IN)
+    graph["tasks.engines"] |= {f"tasks.engines.{name}.runtime" for name in BUILT_IN_ENGINES}
     graph["tasks.weights.catalog"] |= {f"tasks.weights.{name}" for name in BUILT_IN_FORMATS}
     graph["serving.api.catalog"] |= {f"serving.api.{name}" for name in BUILT_IN_APIS}
     graph["tasks.techniques.quantize.step"] |= {

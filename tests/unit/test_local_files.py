@@ -132,3 +132,14 @@ def test_first_difference_names_the_changed_missing_or_extra_file():
     assert first_difference({"a": "1", "b": "9"}, recorded) == ("b", "9", "2")
     assert first_difference({"a": "1"}, recorded) == ("b", "(missing)", "2")
     assert first_difference({"a": "1", "b": "2", "c": "3"}, recorded) == ("c", "3", "(not recorded)")
+
+
+def test_a_package_code_key_follows_its_subpackages(tmp_path, monkeypatch):
+    (tmp_path / "toolbox" / "engine").mkdir(parents=True)
+    (tmp_path / "toolbox" / "__init__.py").write_text("")
+    (tmp_path / "toolbox" / "engine" / "__init__.py").write_text("")
+    (tmp_path / "toolbox" / "engine" / "runtime.py").write_text("STEP = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = code_sha256(("toolbox",))
+    (tmp_path / "toolbox" / "engine" / "runtime.py").write_text("STEP = 2\n")
+    assert code_sha256(("toolbox",)) != before  # an engine's runtime moved into a subpackage still counts

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from tasks.engines.onnx.weights import write_weights
 from tasks.errors import BuildError
 from tasks.failpoints import failpoint
 from tasks.schema import Former, Strict
 from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.mixed_precision import MixedPrecision
-from tasks.techniques.onnx_weights import write_weights
 from tasks.techniques.registry import (
     ConfigView,
     Exported,
@@ -56,7 +56,7 @@ class OnnxGenAIStep(Strict):
     # calibration split, llama.cpp's importance matrix). Symmetric only
     scales: Literal["absmax", "weighted"] = "absmax"
     # int4 only: the lm_head's precision. For a tied model an int8 lm_head shares its table with the embedding
-    # lookup (tasks/techniques/onnx_weights.py). With mixed_precision, int4 lets the search decide it; int8 keeps it
+    # lookup (tasks/engines/onnx/weights.py). With mixed_precision, int4 lets the search decide it; int8 keeps it
     # at int8 from the start (its bytes come out of the size budget) and the search chooses the other matrices
     lm_head: Literal["int4", "int8"] = "int4"
     # rounding gptq or scales weighted: calibration windows (of 256 tokens) the statistics are collected on
@@ -89,8 +89,8 @@ class OnnxGenAI(Technique):
     engine_label = "ONNX Runtime GenAI"
 
     def export(self, model: Any, settings: OnnxGenAIStep, job: ExportJob) -> Exported:
-        from tasks.engines import onnx_genai
-        from tasks.engines.onnx_genai import ONNX_GENAI
+        from tasks.engines.onnx import runtime as onnx_genai
+        from tasks.engines.onnx.runtime import ONNX_GENAI
 
         export, context, notes = settings, job.context, []
         rounded = _calibrated_int4(model, export, context, notes) if export.calibrated else None
@@ -274,7 +274,7 @@ def _check_weights_written(dest: Path, int4: dict[str, Any]) -> None:
     """The exported graph holds exactly the levels and scales computed for every int4 node."""
     import torch
 
-    from tasks.techniques.onnx_weights import read_int4
+    from tasks.engines.onnx.weights import read_int4
 
     stored = read_int4(dest, list(int4)) if int4 else {}
     for node, planned in int4.items():

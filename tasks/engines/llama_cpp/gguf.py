@@ -64,7 +64,7 @@ def convert_to_gguf(source: Path, out_file: Path) -> str:
     command = [
         sys.executable,
         "-m",
-        "tasks.techniques.gguf_convert",
+        "tasks.engines.llama_cpp.gguf_convert",
         str(CONVERTER),
         str(source),
         str(out_file),
@@ -93,7 +93,7 @@ def quantize_gguf(
 ) -> None:
     """`llama_model_quantize` from an F32/F16 GGUF to `file_type`, with importance data by tensor name and
     `tensor_types` (tensor name → ggml type name such as Q8_0) in place of llama.cpp's own choice for them."""
-    from tasks.engines.llama_cpp import llama_cpp_module
+    from tasks.engines.llama_cpp.runtime import llama_cpp_module
 
     lib = llama_cpp_module()
     params = lib.llama_model_quantize_default_params()

@@ -1,6 +1,6 @@
-"""Run llama.cpp's `convert_hf_to_gguf.py` on an HF folder (a subprocess of tasks.techniques.gguf.convert_to_gguf).
+"""Run llama.cpp's `convert_hf_to_gguf.py` on an HF folder (a subprocess of tasks.engines.llama_cpp.gguf.convert_to_gguf).
 
-Usage: python -m tasks.techniques.gguf_convert CONVERTER SOURCE_FOLDER OUT_FILE
+Usage: python -m tasks.engines.llama_cpp.gguf_convert CONVERTER SOURCE_FOLDER OUT_FILE
 
 The one change to the converter: a BPE pre-tokenizer llama.cpp does not know (a tokenizer trained for a test, a
 new model family) is recorded as "default" with a warning instead of stopping the conversion. llmopt tokenizes with

@@ -1,5 +1,5 @@
-"""llama_cpp step: the technique (settings, export, report bits, target checks) over tasks/techniques/gguf.py's
-converter, quantizer and importance matrix; the variant then runs in llama.cpp (tasks/engines/llama_cpp.py)."""
+"""llama_cpp step: the technique (settings, export, report bits, target checks) over tasks/engines/llama_cpp/gguf.py's
+converter, quantizer and importance matrix; the variant then runs in llama.cpp (tasks/engines/llama_cpp/runtime.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from tasks.engines.llama_cpp import gguf
 from tasks.errors import BuildError, LlmoptError
 from tasks.schema import Strict
-from tasks.techniques import gguf
 from tasks.techniques.calibration import WINDOW_TOKENS
 from tasks.techniques.mixed_precision import MixedPrecision
 from tasks.techniques.registry import (
@@ -34,7 +34,7 @@ GgufType = Literal[
 
 
 class LlamaCppStep(Strict):
-    """Convert to GGUF with llama.cpp's converter and quantize with llama.cpp (tasks/techniques/gguf.py); the variant
+    """Convert to GGUF with llama.cpp's converter and quantize with llama.cpp (tasks/engines/llama_cpp/gguf.py); the variant
     then runs in llama.cpp. `shipped`: the source model's own GGUF as distributed, unchanged: the peer row, which
     shows what a user gets without llmopt and is measured but never selected."""
 
@@ -99,7 +99,7 @@ class LlamaCpp(Technique):
         return settings.type != "shipped"  # the source's own file, copied as is
 
     def export(self, model: Any, settings: LlamaCppStep, job: ExportJob) -> Exported:
-        from tasks.engines import llama_cpp
+        from tasks.engines.llama_cpp import runtime as llama_cpp
 
         if settings.type == "shipped":
             note, parameters = _shipped(job.dest, job.context)
@@ -149,7 +149,7 @@ class LlamaCpp(Technique):
                 ("type", "imatrix", "imatrix_windows"),
                 "llama.cpp: the float folder (base, pruned or distilled) goes through llama.cpp's own "
                 "`convert_hf_to_gguf.py` to an F32 GGUF, then `llama_model_quantize` to the file type; the variant "
-                "runs in llama.cpp (`tasks/engines/llama_cpp.py`: scoring from llama.cpp's logits, several "
+                "runs in llama.cpp (`tasks/engines/llama_cpp/runtime.py`: scoring from llama.cpp's logits, several "
                 "sequences per `llama_decode` for batched generation and serving). `imatrix: true`: an importance "
                 "matrix (every weight column's mean squared input activation, what `llama-imatrix` measures) from "
                 "that many 256-token calibration windows, handed to the quantizer, which then rounds to protect the "
@@ -189,7 +189,7 @@ def _gguf_export(
     import shutil
     import tempfile
 
-    from tasks.engines import llama_cpp
+    from tasks.engines.llama_cpp import runtime as llama_cpp
 
     with tempfile.TemporaryDirectory(prefix="llmopt-gguf-") as scratch:
         source = save_float_model(model, context.tokenizer, Path(scratch)) if changed else base_path
@@ -223,7 +223,7 @@ def _precision_plan(model: Any, step: LlamaCppStep, f32: Path, imatrix: Any, con
     measured in llama.cpp on the calibration split (never the evaluation's). The diagonal-Fisher prediction the ONNX
     search ranks by does not carry over: with an importance matrix llama.cpp's 4-bit rounding error is not the
     simulated grid's, and measured per layer it ranked the wrong matrices on SmolLM2."""
-    from tasks.engines import llama_cpp
+    from tasks.engines.llama_cpp import runtime as llama_cpp
     from tasks.techniques.mixed_precision import search
 
     settings = step.mixed_precision
@@ -288,7 +288,7 @@ def _shipped(dest: Path, context: Any) -> tuple[str, int]:
 
     from gguf import GGUFReader
 
-    from tasks.engines import llama_cpp
+    from tasks.engines.llama_cpp import runtime as llama_cpp
 
     with step_arguments("llama_cpp"):
         shipped = gguf.shipped_gguf(context.source)

@@ -38,7 +38,7 @@ class TorchRuntime(Runtime):
         device: str = "cpu",
         tensor_parallel: int = 1,
     ) -> None:
-        """`tensor_parallel` > 1: this process is one rank of a split model (tasks/engines/tensor_parallel.py)."""
+        """`tensor_parallel` > 1: this process is one rank of a split model (tasks/engines/pytorch/tensor_parallel.py)."""
         import torch
         from transformers import AutoTokenizer
 
@@ -112,11 +112,11 @@ class TorchRuntime(Runtime):
     def batch_decoder(self) -> BatchDecoder:
         """On a GPU the sequences' steps run as one padded batch (what GPUs are for). On the CPU a half-precision
         model of a Llama-shaped architecture steps all sequences in one call over fixed KV rows
-        (tasks/engines/torch_slots.py: its rows match stepping alone to bfloat16 rounding, as the padded batch
+        (tasks/engines/pytorch/slots.py: its rows match stepping alone to bfloat16 rounding, as the padded batch
         does); fp32 steps each sequence alone, which keeps its results independent of the batch. Also alone: SDPA
         pinned to the flash kernel (it takes no attention mask on CUDA), a sliding window (its cache layer would be
         replaced by a growing one), and speculative variants (stepping alone verifies guesses)."""
-        from tasks.engines.torch_slots import SlotBatchDecoder, steps_in_slots
+        from tasks.engines.pytorch.slots import SlotBatchDecoder, steps_in_slots
 
         settings = self.manifest.runtime_settings()
         plain = settings.sdpa_backend != "flash" and settings.sliding_window is None

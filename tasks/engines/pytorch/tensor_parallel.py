@@ -25,7 +25,7 @@ from typing import Any
 
 from tasks.engines.contract import BatchDecoder
 from tasks.engines.manifest import VariantManifest
-from tasks.engines.pytorch import TorchRuntime
+from tasks.engines.pytorch.runtime import TorchRuntime
 from tasks.errors import EngineError, TargetError
 from tasks.weights.catalog import weights_format
 
