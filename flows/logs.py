@@ -51,11 +51,13 @@ class ConsoleFormatter(logging.Formatter):
 def route_logs(workdir: Path, command: str) -> Path:
     """Everything to `workdir/logs/<command>-<time>.log`, the console filtered (see ConsoleFilter); returns the
     file. Prefect and MLflow are imported first: they install their handlers on import."""
-    import mlflow  # noqa: F401
     import prefect.main  # noqa: F401
     from prefect.logging.formatters import PrefectFormatter
 
     import tasks
+    from tasks.report.tracking import import_mlflow
+
+    import_mlflow()
 
     folder = workdir / "logs"
     folder.mkdir(parents=True, exist_ok=True)

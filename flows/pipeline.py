@@ -4,7 +4,6 @@ select → register → the champion/challenger gate → promote. Also the gate 
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -23,8 +22,8 @@ from flows.stages import (
     rank_and_report,
     workdir,
 )
-from tasks.decide.gate import Champion, Verdict, judge
-from tasks.decide.history import move_production, record_refusal, recover_unfinished_move
+from tasks.decide.gate import Champion, Verdict, judge, judged_alone
+from tasks.decide.history import apply_verdict, recover_unfinished_move
 from tasks.decide.model_registry import (
     CANDIDATE,
     PRODUCTION,
@@ -34,7 +33,6 @@ from tasks.decide.model_registry import (
     register_variant,
     registered_version,
     set_candidate,
-    tag_version,
     version_label,
 )
 from tasks.decide.select import Leaderboard
@@ -159,7 +157,7 @@ def promote_flow(config: Config, root: Path, version: str) -> PipelineOutcome:
         out = workdir(config, root) / "promote"
         with clock.stage("rank"):
             board, _ = rank_and_report(only_baseline, measured, out, run=run)
-            board = _judged_alone(board, measured.registered[version_label(CANDIDATE, version)], version)
+            board = judged_alone(board, measured.registered[version_label(CANDIDATE, version)], version)
         with clock.stage("duel"):
             prompt = read_split(data.folder, "evaluation")[0]
             verdict = judge_winner(config, measured, board, production, prompt)
@@ -254,19 +252,6 @@ def report_run(
     )
 
 
-def _judged_alone(board: Leaderboard, name: str, version: str) -> Leaderboard:
-    """The board with the version under test as its winner, or no winner and the reason it cannot be one."""
-    row = next((r for r in board.rows if r.score.variant == name), None)
-    if row is None:
-        reason = (
-            f"v{version} uses another tokenizer than this run's baseline: its accuracy cannot be checked here"
-        )
-        return replace(board, winner=None, reason=reason + " (move it with --force --reason if you must)")
-    if not row.qualifies:
-        return replace(board, winner=None, reason=f"v{version} does not qualify: {', '.join(row.failures)}")
-    return replace(board, winner=name, reason=f"v{version} qualifies")
-
-
 def judge_winner(
     config: Config,
     measured: Measurements,
@@ -284,42 +269,6 @@ def judge_winner(
         champion = Champion(production.version, name, score, measured.trials[name])
     challenger_trials = measured.trials[board.winner] if board.winner else []
     return judge(board, champion, challenger_trials, config.select)
-
-
-def apply_verdict(
-    model: str,
-    verdict: Verdict,
-    production: RegisteredVersion | None,
-    registration: Registration | None,
-    actor: tuple[str, str],
-) -> bool:
-    """Store the verdict on the judged version and move production if it passed (under the registry lock);
-    every decision is recorded. Production's own evidence is kept when it stays the best. `actor` is (who
-    decides, the machine fingerprint)."""
-    who, fingerprint = actor
-    before = production.version if production else None
-    judged = registration.version if registration else None
-    if judged is None or judged == before:
-        if production is not None:
-            record_refusal(model, who, before, judged, verdict.reason)
-        return False
-    _store_verdict(model, judged, verdict, fingerprint)
-    if not verdict.passed:
-        record_refusal(model, who, before, judged, verdict.reason)
-        return False
-    return move_production(model, judged, before, who, "gate", verdict.reason, verdict.tag())
-
-
-def _store_verdict(model: str, version: str, verdict: Verdict, fingerprint: str) -> None:
-    """The verdict with its evidence on the model version (shown in the MLflow UI's version page)."""
-    evidence = {
-        "verdict": verdict.tag(),
-        "challenger_version": version,
-        "champion_version": verdict.champion_version,
-        "fingerprint": fingerprint,
-        **verdict.evidence,
-    }
-    tag_version(model, version, "llmopt.verdict", json.dumps(evidence)[:5000])
 
 
 CONSOLE_ELSEWHERE = {"console": False}  # a record the console filter leaves to the log file (flows/logs.py)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect.tasks import exponential_backoff
 
-from tasks.decide.model_registry import mlflow_refused
+from tasks.decide.model_registry import mlflow_retryable
 from tasks.errors import LlmoptError
 
 
@@ -23,13 +23,13 @@ def transient_failure(task, task_run, state) -> bool:
 def is_transient(exc: BaseException) -> bool:
     """Whether the same call may well succeed when tried again a few seconds later."""
     import httpx
-    from mlflow.exceptions import MlflowException
     from sqlalchemy.exc import OperationalError
 
     if isinstance(exc, (LlmoptError, *PERMANENT_OS_ERRORS)):
         return False
-    if isinstance(exc, MlflowException):
-        return not mlflow_refused(exc)
+    retryable = mlflow_retryable(exc)
+    if retryable is not None:
+        return retryable
     return isinstance(exc, OSError | OperationalError | httpx.TransportError)
 
 

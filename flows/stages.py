@@ -21,7 +21,7 @@ from flows.cluster import (
 from flows.progress import progress_bar, run_progress
 from flows.retries import IO_RETRIES
 from tasks.decide.model_registry import RegisteredVersion, fetch_version
-from tasks.decide.select import Leaderboard, build_leaderboard, evaluation_accuracy, variant_score
+from tasks.decide.select import Leaderboard, build_leaderboard, variant_score
 from tasks.engines.manifest import VariantManifest, read_manifest, same_tokenizer
 from tasks.errors import ArtifactUnreadable
 from tasks.expectations import validate_metrics_table
@@ -35,8 +35,9 @@ from tasks.measure.benchmark import (
 )
 from tasks.measure.evaluate import VariantEvaluation, evaluate_or_reuse
 from tasks.measure.fingerprint import git_commit, machine_fingerprint
+from tasks.measure.plan import baseline_first, may_fail_alone, outside_budget, served_here
 from tasks.measure.served import ServedPlan, served_metrics, served_plan
-from tasks.params import Config, VariantConfig, is_peer_recipe
+from tasks.params import Config, VariantConfig
 from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
@@ -220,10 +221,9 @@ def fail_alone(
     stage: str,
     exc: ArtifactUnreadable,
 ) -> FailedVariant:
-    """`name` failed and the run goes on without it (a warning line says so), when it can: a variant of this run,
-    neither the baseline (everyone's reference) nor the stand-in of a registered version (the champion must be
-    measured); else `exc` stops the run."""
-    if name not in config.variants or name == config.select.baseline or name in stand_ins.values():
+    """`name` failed and the run goes on without it (a warning line says so) where `may_fail_alone`; else `exc`
+    stops the run."""
+    if not may_fail_alone(config, name, stand_ins):
         raise exc
     get_run_logger().warning(f"{name} failed and is left out of this run: {exc}")
     return FailedVariant(manifest, stage, str(exc))
@@ -360,37 +360,6 @@ def measure_variants(
     )
 
 
-def served_here(config: Config, name: str, manifest: VariantManifest) -> bool:
-    """Whether the benchmark measures this model's served capacity: not for the peer row (never selected), and
-    for the baseline only when the objective is `serving` (it is the reference the speedups are read against
-    then; otherwise its fp32 torch engine, which on a CPU steps each served request alone, would cost more time
-    than all the candidates together for a figure nobody chooses by)."""
-    if is_peer_recipe(manifest.recipe):
-        return False
-    return name != config.select.baseline or config.select.objective == "serving"
-
-
-def outside_budget(
-    config: Config,
-    manifests: dict[str, VariantManifest],
-    evaluations: dict[str, VariantEvaluation],
-    exclude: set[str],
-) -> list[str]:
-    """This run's variants whose accuracy is outside the budget: they can never be selected, so a short benchmark
-    says enough about them. Not the baseline, not a peer row, not those in `exclude` (the ones standing in for a
-    registered version: production's trials feed the gate, the same benchmark each time)."""
-    base = evaluations[config.select.baseline]
-    return [
-        name
-        for name in config.variants
-        if name != config.select.baseline
-        and name not in exclude
-        and name in evaluations
-        and not is_peer_recipe(manifests[name].recipe)
-        and not evaluation_accuracy(base, evaluations[name], config.select).within_budget
-    ]
-
-
 def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_text: str) -> None:
     """`select.duel_trials` more benchmarks of the two models, back to back, appended to their trials."""
     with on_benchmark_workers(config):
@@ -411,11 +380,6 @@ def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_
                 measured.trials[name].append(result)
                 measured.spans.append(span)
     check_benchmarks_clean(str(measured.fingerprint["hash"]), measured.spans, BENCHMARK_RESOURCE)
-
-
-def baseline_first(config: Config) -> list[tuple[str, VariantConfig]]:
-    base = config.select.baseline
-    return [(base, config.variants[base])] + [(n, v) for n, v in config.variants.items() if n != base]
 
 
 def paired_with_baseline(config: Config, measured: Measurements, name: str) -> bool:

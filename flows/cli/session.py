@@ -41,7 +41,7 @@ class CommandSession:
             and not self.debug
             and self.log_file is not None
         ):
-            from tasks.report.run_hygiene import tracking_unreachable
+            from tasks.report.tracking import tracking_unreachable
 
             story = tracking_unreachable(exc)  # a registry that vanished mid-run is the user's to restart
             if story:

@@ -11,7 +11,7 @@ only (the champion met its own when it was promoted), and the verdict says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tasks.config import SelectConfig
@@ -146,3 +146,16 @@ def _accuracy_problems(
     if cloze.accuracy_delta < 0 and cloze.p_value < 1 - cfg.confidence:
         problems.append(f"cloze {cloze.accuracy_delta:+.1%} vs production (McNemar p {cloze.p_value:.3f})")
     return problems
+
+
+def judged_alone(board: Leaderboard, name: str, version: str) -> Leaderboard:
+    """The board with the version under test as its winner, or no winner and the reason it cannot be one."""
+    row = next((r for r in board.rows if r.score.variant == name), None)
+    if row is None:
+        reason = (
+            f"v{version} uses another tokenizer than this run's baseline: its accuracy cannot be checked here"
+        )
+        return replace(board, winner=None, reason=reason + " (move it with --force --reason if you must)")
+    if not row.qualifies:
+        return replace(board, winner=None, reason=f"v{version} does not qualify: {', '.join(row.failures)}")
+    return replace(board, winner=name, reason=f"v{version} qualifies")

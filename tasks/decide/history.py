@@ -19,15 +19,26 @@ MLflow keeps no history of alias moves and has no compare-and-set for aliases. S
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any
 
-from tasks.decide.model_registry import PRODUCTION, current_version, registry_lock
+from tasks.decide.gate import Verdict
+from tasks.decide.model_registry import (
+    PRODUCTION,
+    RegisteredVersion,
+    Registration,
+    current_version,
+    model_tags,
+    registry_lock,
+    set_alias,
+    tag_model,
+    tag_version,
+    untag_version,
+    version_tags,
+)
 from tasks.errors import RegistryError
 from tasks.failpoints import failpoint
 
@@ -52,11 +63,10 @@ class Move:
 
 def record(model_name: str, move: Move) -> None:
     """Append one history record (a tag with a key of its own)."""
-    from mlflow import MlflowClient
-
     key = f"{HISTORY_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
-    value = json.dumps({**asdict(move), "reason": move.reason[:MAX_REASON]}, sort_keys=True)
-    MlflowClient().set_registered_model_tag(model_name, key, value)
+    tag_model(
+        model_name, key, json.dumps({**asdict(move), "reason": move.reason[:MAX_REASON]}, sort_keys=True)
+    )
 
 
 def record_refusal(
@@ -68,13 +78,9 @@ def record_refusal(
 
 def history(model_name: str) -> list[Move]:
     """Every recorded decision about `production`, oldest first."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    try:
-        tags = MlflowClient().get_registered_model(model_name).tags
-    except MlflowException:
-        raise RegistryError(f"no registered model {model_name!r}; run `llmopt run` first") from None
+    tags = model_tags(model_name)
+    if tags is None:
+        raise RegistryError(f"no registered model {model_name!r}; run `llmopt run` first")
     return [Move(**json.loads(tags[key])) for key in sorted(k for k in tags if k.startswith(HISTORY_PREFIX))]
 
 
@@ -88,11 +94,8 @@ def move_production(
     gate_tag: str,
 ) -> bool:
     """Move `production` to `to_version` if it still points where the decision saw it; record either way."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient()
     with registry_lock(model_name, actor):
-        _recover(client, model_name)
+        _recover(model_name)
         current = current_version(model_name, PRODUCTION)
         if current == to_version == expected_from:
             return True  # already there: nothing to move, nothing to record
@@ -103,41 +106,34 @@ def move_production(
             )
             return False
         move = Move(_now(), actor, kind, current, to_version, True, reason[:MAX_REASON])
-        before = client.get_model_version(model_name, to_version).tags
+        before = version_tags(model_name, to_version)
         intent = {"move": asdict(move), "tags": {key: before.get(key) for key in MOVE_TAGS}}
-        client.set_registered_model_tag(model_name, INTENT_TAG, json.dumps(intent, ensure_ascii=False))
+        tag_model(model_name, INTENT_TAG, json.dumps(intent, ensure_ascii=False))
         failpoint("promote-intent")
-        client.set_model_version_tag(model_name, to_version, "llmopt.gate", gate_tag[:MAX_REASON])
+        tag_version(model_name, to_version, "llmopt.gate", gate_tag[:MAX_REASON])
         if current is not None and current != to_version:
-            client.set_model_version_tag(model_name, to_version, "llmopt.previous_production", current)
+            tag_version(model_name, to_version, "llmopt.previous_production", current)
         failpoint("promote-tags")
-        client.set_registered_model_alias(model_name, PRODUCTION, to_version)
+        set_alias(model_name, PRODUCTION, to_version)
         failpoint("promote-alias")
         record(model_name, move)
         failpoint("promote-recorded")
-        client.delete_registered_model_tag(model_name, INTENT_TAG)
+        tag_model(model_name, INTENT_TAG, None)
     return True
 
 
 def recover_unfinished_move(model_name: str, actor: str) -> str | None:
     """Finish or undo a production move a killed process left half done (see the module docstring); what was
     done, in words, or None when nothing was unfinished (or the model is not registered yet)."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    client = MlflowClient()
-    try:
-        if INTENT_TAG not in client.get_registered_model(model_name).tags:
-            return None
-    except MlflowException:
+    if INTENT_TAG not in (model_tags(model_name) or {}):
         return None
     with registry_lock(model_name, actor):
-        return _recover(client, model_name)
+        return _recover(model_name)
 
 
-def _recover(client: Any, model_name: str) -> str | None:
+def _recover(model_name: str) -> str | None:
     """`recover_unfinished_move` under the lock already held."""
-    text = client.get_registered_model(model_name).tags.get(INTENT_TAG)
+    text = (model_tags(model_name) or {}).get(INTENT_TAG)
     if text is None:
         return None
     try:
@@ -153,21 +149,20 @@ def _recover(client: Any, model_name: str) -> str | None:
         recorded = move in history(model_name)
         if not recorded:
             record(model_name, move)
-        client.delete_registered_model_tag(model_name, INTENT_TAG)
+        tag_model(model_name, INTENT_TAG, None)
         done = f"completed an interrupted move of production to {to} (the alias had moved"
         return done + ("; its history record is written now)" if not recorded else ")")
     for key, value in intent["tags"].items():  # the version's tags as they were before the move began
         if value is None:
-            with contextlib.suppress(Exception):
-                client.delete_model_version_tag(model_name, move.to_version, key)
+            untag_version(model_name, move.to_version, key)
         else:
-            client.set_model_version_tag(model_name, move.to_version, key, value)
+            tag_version(model_name, move.to_version, key, value)
     undone = f"rolled back an interrupted move of production to {to} (the alias had not moved; it stays on "
     undone += f"{_v(current_version(model_name, PRODUCTION))})"
     record(
         model_name, Move(_now(), "recovery", "interrupted", move.from_version, move.to_version, False, undone)
     )
-    client.delete_registered_model_tag(model_name, INTENT_TAG)
+    tag_model(model_name, INTENT_TAG, None)
     return undone
 
 
@@ -186,3 +181,39 @@ def _now() -> str:
 
 def _v(version: str | None) -> str:
     return f"v{version}" if version is not None else "none"
+
+
+def apply_verdict(
+    model: str,
+    verdict: Verdict,
+    production: RegisteredVersion | None,
+    registration: Registration | None,
+    actor: tuple[str, str],
+) -> bool:
+    """Store the verdict on the judged version and move production if it passed (under the registry lock);
+    every decision is recorded. Production's own evidence is kept when it stays the best. `actor` is (who
+    decides, the machine fingerprint)."""
+    who, fingerprint = actor
+    before = production.version if production else None
+    judged = registration.version if registration else None
+    if judged is None or judged == before:
+        if production is not None:
+            record_refusal(model, who, before, judged, verdict.reason)
+        return False
+    _store_verdict(model, judged, verdict, fingerprint)
+    if not verdict.passed:
+        record_refusal(model, who, before, judged, verdict.reason)
+        return False
+    return move_production(model, judged, before, who, "gate", verdict.reason, verdict.tag())
+
+
+def _store_verdict(model: str, version: str, verdict: Verdict, fingerprint: str) -> None:
+    """The verdict with its evidence on the model version (shown in the MLflow UI's version page)."""
+    evidence = {
+        "verdict": verdict.tag(),
+        "challenger_version": version,
+        "champion_version": verdict.champion_version,
+        "fingerprint": fingerprint,
+        **verdict.evidence,
+    }
+    tag_version(model, version, "llmopt.verdict", json.dumps(evidence)[:5000])

@@ -15,31 +15,17 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tasks.decide.requirements import model_requirements
 from tasks.engines.manifest import VARIANT_ARTIFACT, VariantManifest, verify_variant
 from tasks.errors import RegistryError, StorageError
 from tasks.failpoints import failpoint
 from tasks.local_files import disk_full
 
-# What every registered model needs to load and serve through its Runtime, pinned to this environment's
-# versions: MLflow's scoring server, the tokenizer and both engines (so versions share one serving environment).
-SERVING_PACKAGES = (
-    "mlflow",
-    "torch",
-    "transformers",
-    "tokenizers",
-    "safetensors",
-    "numpy",
-    "pydantic",
-    "pyyaml",
-    "onnxruntime",
-    "onnxruntime-genai",
-)
 CANDIDATE = "candidate"
 PRODUCTION = "production"
 
@@ -253,29 +239,6 @@ def _drop_partial_model(run_id: str) -> None:
                 client.delete_logged_model(model.model_id)
 
 
-def model_requirements(manifest: VariantManifest, folder: Path | None = None) -> list[str]:
-    """Pinned pip requirements of a registered variant: the serving packages plus its weights format's backend
-    (and its speculative draft's, from `folder`/draft, which may run in another engine)."""
-    from tasks.engines.manifest import read_manifest
-    from tasks.engines.speculative import DRAFT_FOLDER
-    from tasks.techniques import catalog, registry
-
-    catalog.load()  # the techniques that read the recorded steps back (loaded once per process)
-    packages = list(SERVING_PACKAGES)
-    steps = list(manifest.recipe.get("steps", []))
-    if folder is not None and (folder / DRAFT_FOLDER).is_dir():
-        steps += read_manifest(folder / DRAFT_FOLDER).recipe.get("steps", [])
-    for step in steps:
-        for name, settings in step.items():
-            read = registry.recorded_settings(name, settings)
-            extra = read[0].packages(read[1]) if read else []
-            packages += [package for package in extra if package not in packages]
-    if manifest.runtime_settings().wrapper == "deepspeed":
-        packages.append("deepspeed")
-    # a local label such as +cpu is dropped: `==2.13.0` accepts the CPU wheel here and the PyPI release elsewhere
-    return [f"{package}=={metadata.version(package).split('+')[0]}" for package in packages]
-
-
 def _same_model(tags: dict[str, str], manifest: VariantManifest) -> bool:
     """A version holds this model: same model hash, or (registered before model hashes) same bytes and recipe."""
     if "llmopt.model_hash" in tags:
@@ -350,9 +313,8 @@ def download_verified(model_name: str, version: str, dest: Path) -> Path:
 
 def set_candidate(registration: Registration) -> None:
     """Alias `candidate`: this run's winner, promoted or not."""
-    from mlflow import MlflowClient
 
-    MlflowClient().set_registered_model_alias(registration.name, CANDIDATE, registration.version)
+    set_alias(registration.name, CANDIDATE, registration.version)
 
 
 def download_version(model_name: str, version: str, dest: Path) -> Path:
@@ -396,6 +358,42 @@ def tag_version(model_name: str, version: str, key: str, value: str) -> None:
     MlflowClient().set_model_version_tag(model_name, version, key, value)
 
 
+def untag_version(model_name: str, version: str, key: str) -> None:
+    """Remove one tag from a model version (absent already: nothing to do)."""
+    from mlflow import MlflowClient
+
+    with contextlib.suppress(Exception):
+        MlflowClient().delete_model_version_tag(model_name, version, key)
+
+
+def model_tags(model_name: str) -> dict[str, str] | None:
+    """The registered model's own tags (history records, an unfinished move), or None when it is not registered."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return dict(MlflowClient().get_registered_model(model_name).tags)
+    except MlflowException:
+        return None
+
+
+def tag_model(model_name: str, key: str, value: str | None) -> None:
+    """Set one tag of the registered model, or delete it (`value` None)."""
+    from mlflow import MlflowClient
+
+    if value is None:
+        MlflowClient().delete_registered_model_tag(model_name, key)
+    else:
+        MlflowClient().set_registered_model_tag(model_name, key, value)
+
+
+def set_alias(model_name: str, alias: str, version: str) -> None:
+    """Point `alias` at `version` (callers moving production hold the registry lock)."""
+    from mlflow import MlflowClient
+
+    MlflowClient().set_registered_model_alias(model_name, alias, version)
+
+
 def version_run_metrics(model_name: str, version: str) -> dict[str, float]:
     """The metrics of the pipeline run that registered this version (empty when it records no run)."""
     from mlflow import MlflowClient
@@ -421,3 +419,10 @@ def mlflow_refused(exc) -> bool:
     to fix, rather than failed to carry it out (5xx, 429 or no answer at all), which a retry may get past."""
     status = exc.get_http_status_code()
     return 400 <= status < 500 and status != 429
+
+
+def mlflow_retryable(exc: BaseException) -> bool | None:
+    """For an MLflow error, whether a retry may get past it (it was not refused); None for any other error."""
+    from mlflow.exceptions import MlflowException
+
+    return not mlflow_refused(exc) if isinstance(exc, MlflowException) else None

@@ -1,7 +1,8 @@
-"""tracking: one MLflow parent run per pipeline run, one nested run per variant (explicit run ids, no globals).
+"""tracking: one MLflow parent run per pipeline run, one nested run per variant (explicit run ids, no globals), and
+run hygiene (which process owns a run, runs of dead processes marked KILLED, an unreachable server told apart).
 
-Run hygiene (dead processes, an unreachable server) is in run_hygiene.py; the leaderboard's files in
-leaderboard_files.py."""
+Every MLflow tracking read and write goes through this module (the Model Registry's through
+tasks/decide/model_registry.py); the leaderboard's files are leaderboard_files.py's."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from urllib.parse import urlparse
 from tasks.config import TrackingConfig
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
+from tasks.errors import exception_chain
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.measure.served import served_metrics
 from tasks.params import Config
 from tasks.report.plots import precision_plot
-from tasks.report.run_hygiene import mark_ghost_runs, process_tags
 from tasks.techniques import registry
 
 
@@ -370,3 +371,69 @@ def log_reports(
         client.log_metric(parent_run_id, "winner_ppl_ratio", winner.ppl_ratio)
     for key, value in run_metrics.items():
         client.log_metric(parent_run_id, key, value)
+
+
+# --- run hygiene ------------------------------------------------------------------------------------------------
+
+
+def tracking_unreachable(exc: BaseException) -> str | None:
+    """The one-line story of an MLflow call that failed because the tracking server stopped answering, or None
+    for any other failure (only for a tracking server, and only when the error names its address)."""
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https") or parsed.hostname is None:
+        return None
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    for error in exception_chain(exc):
+        text = str(error)
+        about_the_server = f"{parsed.hostname}:{port}" in text or f"port={port}" in text
+        if about_the_server and any(sign in text for sign in ("Max retries exceeded", "Connection refused")):
+            return (
+                f"tracking.uri: {uri} stopped answering, and the run stopped there (start the tracking server "
+                "and run again: the next run marks this one KILLED; `llmopt history` shows whether production moved)"
+            )
+    return None
+
+
+def process_tags() -> dict[str, str]:
+    """Where a run runs: the host and the process (id and start time, so a reused pid is not mistaken for it)."""
+    import socket
+
+    import psutil
+
+    me = psutil.Process()
+    return {
+        "llmopt.host": socket.gethostname(),
+        "llmopt.pid": str(me.pid),
+        "llmopt.pid_started": str(me.create_time()),
+    }
+
+
+def mark_ghost_runs(experiment_id: str) -> list[str]:
+    """Runs left RUNNING by a process of this host that is gone (killed, SIGKILL included) become KILLED."""
+    import socket
+
+    import psutil
+    from mlflow import MlflowClient
+
+    client, host, ghosts = MlflowClient(), socket.gethostname(), []
+    running = client.search_runs(
+        [experiment_id], f"attributes.status = 'RUNNING' and tags.`llmopt.host` = '{host}'", max_results=1000
+    )
+    for run in running:
+        pid, started = int(run.data.tags.get("llmopt.pid", "0")), run.data.tags.get("llmopt.pid_started")
+        try:
+            alive = str(psutil.Process(pid).create_time()) == started
+        except (psutil.NoSuchProcess, ValueError):
+            alive = False
+        if not alive:
+            client.set_terminated(run.info.run_id, "KILLED")
+            ghosts.append(run.info.run_id)
+    return ghosts
+
+
+def import_mlflow() -> None:
+    """Import MLflow now (it installs its log handlers on import: whoever routes the logs imports it first)."""
+    import mlflow  # noqa: F401

@@ -13,7 +13,7 @@ import pytest
 from tasks.decide.history import history, move_production, rollback_target
 from tasks.decide.model_registry import LOCK_SUFFIX, PRODUCTION, current_version, registry_lock
 from tasks.errors import RegistryError
-from tasks.report.run_hygiene import mark_ghost_runs, process_tags
+from tasks.report.tracking import mark_ghost_runs, process_tags
 
 MODEL = "moves"
 REPO = Path(__file__).resolve().parents[2]

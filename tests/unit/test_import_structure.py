@@ -117,6 +117,19 @@ def test_the_configuration_is_the_ground_floor():
     assert "tasks.techniques.registry" not in reached
 
 
+# The modules that call MLflow: runs (tracking), the Model Registry, and the pyfunc entry point MLflow itself loads.
+MLFLOW_MODULES = {"tasks.report.tracking", "tasks.decide.model_registry", "tasks.decide.pyfunc_model"}
+
+
+def test_only_the_tracking_and_registry_modules_import_mlflow():
+    importers = {
+        module
+        for module, path in project_modules().items()
+        if any(name == "mlflow" or name.startswith("mlflow.") for name in imported_names(path, module))
+    }
+    assert importers == MLFLOW_MODULES, importers ^ MLFLOW_MODULES
+
+
 def test_imports_inside_functions_and_under_type_checking_count(tmp_path):
     """The walker sees what a circle could hide behind."""
     path = tmp_path / "module.py"

@@ -354,7 +354,7 @@ def test_only_this_runs_own_refused_variants_get_the_short_benchmark(tmp_path):
     (its trials feed the gate, which compares like with like)."""
     from types import SimpleNamespace
 
-    from flows.stages import outside_budget
+    from tasks.measure.plan import outside_budget
     from tasks.params_file import load_config
 
     params = tmp_path / "params.yaml"
