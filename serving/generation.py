@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from serving.models import ServedModel
+from serving.requests import GenerationRequest, QueueFull, SchedulerClosed
 from serving.sampling import Sampling
-from serving.scheduler import GenerationRequest, QueueFull, SchedulerClosed
 from serving.text import RequestError, TextStream
 
 RETRY_AFTER_S = 1  # what a 429 suggests: a batch step frees slots every few hundred milliseconds at most

@@ -24,53 +24,25 @@ from typing import Any
 
 import numpy as np
 
+from serving.requests import GenerationRequest, QueueFull, SchedulerClosed
 from serving.sampling import (
-    GREEDY_BELOW,
-    Sampling,
     adjusted_logits,
     choose_token,
     logprob,
     prompt_scores,
     top_logprobs,
 )
+from serving.speculative_steps import SpeculativeSteps
 from tasks.config import ServeConfig
 from tasks.engines import Runtime
+
+__all__ = ["GenerationRequest", "QueueFull", "Scheduler", "SchedulerClosed"]
 
 log = logging.getLogger("llmopt.serve")
 
 
 DEFAULT_STEP_TOKENS: int = ServeConfig.model_fields["step_tokens"].default  # tasks/config.py says why
 DEFAULT_PREFIX_CACHE_TOKENS: int = ServeConfig.model_fields["prefix_cache_tokens"].default
-
-
-class QueueFull(Exception):
-    """The model's queue holds `max_queue` requests already (the server answers 429)."""
-
-
-class SchedulerClosed(Exception):
-    """The model was swapped out or the server is stopping: the request goes to the current model instead."""
-
-
-@dataclass(eq=False)
-class GenerationRequest:
-    """One request's generation. `on_event` is called from the worker thread with ("token", (id, log-probability,
-    top)) for each token (`top`: the `sampling.top_logprobs` most likely (id, log-probability) pairs, or None) and
-    finally ("done", finish_reason) or ("error", message); finish reasons: "stop" (an end-of-sequence token),
-    "length" (max_tokens reached), "cancelled" (`cancel` was called: disconnect, timeout or a stop string)."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampling: Sampling
-    on_event: Callable[[tuple[str, Any]], None]
-    stop_ids: frozenset[int] = frozenset()
-    prompt_logprobs: bool = False  # first send ("prompt", [(id, log-probability or None, top or None), …])
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    queued_at: float = field(default_factory=time.monotonic)
-    ended: bool = False  # its last event was sent (set by the scheduler, under its lock)
-
-    def cancel(self) -> None:
-        """Stop generating for this request at the next step boundary (its slot goes to the next in line)."""
-        self.cancelled.set()
 
 
 @dataclass(eq=False)
@@ -92,7 +64,7 @@ class _Running:
     proposer: Any = None  # its speculative proposer, made on its first speculative step
 
 
-class Scheduler:
+class Scheduler(SpeculativeSteps):
     """The queue and the worker of one loaded model: a thread of its own (started on construction, stopped by
     `close`), or with `own_thread` off the thread that calls `run` (the served replay: see `run`)."""
 
@@ -385,55 +357,6 @@ class Scheduler:
             except Exception as exc:  # e.g. a sampling failure: this request ends, its neighbours go on
                 log.exception("a request failed choosing its token")
                 self._drop(decoder, running, sequence, running[sequence].request, exc)
-
-    def _speculates(self, decoder: Any, running: dict[int, _Running]) -> bool:
-        """Speculative decoding (the variant's runtime.speculative) while one greedy request runs and none waits:
-        beside other requests, batching them gives more than guessing for one (docs/serving.md)."""
-        speculation = getattr(self.runtime, "speculation", None)  # stand-in runtimes of tests have none
-        if speculation is None or not speculation.enabled or not decoder.verifies or len(running) != 1:
-            return False
-        (item,) = running.values()
-        request = item.request
-        room = len(request.prompt) + request.max_tokens
-        return request.sampling.temperature < GREEDY_BELOW and not self._queue and speculation.fits(room)
-
-    def _speculative_step(self, decoder: Any, running: dict[int, _Running]) -> None:
-        """The running request's last token and the proposer's guesses in one engine call; each guess is kept
-        while it is the token the request would choose there (penalties included), then one more from the
-        logits after the last kept one, and the cache is rewound past the refused ones."""
-        ((sequence, item),) = running.items()
-        request, speculation = item.request, self.runtime.speculation
-        if item.proposer is None or self._speculating is not item:
-            # a draft engine keeps one sequence: a request that speculated before another did starts afresh
-            capacity = len(request.prompt) + request.max_tokens
-            item.proposer, self._speculating = speculation.proposer(capacity), item
-        room = (
-            request.max_tokens - item.produced - 1
-        )  # a guess kept short of the budget leaves room for one more
-        guesses = item.proposer.propose(
-            request.prompt + item.generated, min(speculation.settings.tokens, room)
-        )
-        rows = decoder.verify(sequence, [item.last, *guesses])
-        stats = speculation.stats
-        stats.calls, stats.proposed = stats.calls + 1, stats.proposed + len(guesses)
-        for index, row in enumerate(rows):
-            try:
-                self._emit(decoder, running, sequence, row)
-            except Exception as exc:
-                log.exception("a request failed choosing its token")
-                self._drop(decoder, running, sequence, request, exc)
-                self._speculating = None
-                return
-            if self.metrics:
-                self.metrics.batch(1)  # a token decoded for a request running alone (the sum counts tokens)
-            kept = index < len(guesses) and item.last == guesses[index]
-            stats.accepted += kept
-            if sequence not in running:  # finished (its cache is gone)
-                self._speculating = None  # nor is its proposer kept
-                return
-            if not kept:
-                break
-        decoder.rewind(sequence, len(request.prompt) + len(item.generated) - 1)  # all but the last token
 
     def _drop(
         self, decoder: Any, running: dict, sequence: int | None, request: GenerationRequest, exc: Exception

@@ -5,7 +5,7 @@ work; these are its decisions, as plain functions."""
 
 from __future__ import annotations
 
-from tasks.decide.select import evaluation_accuracy
+from tasks.decide.accuracy import evaluation_accuracy
 from tasks.engines.manifest import VariantManifest
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.params import Config, VariantConfig, is_peer_recipe

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from serving.models import Limits
+from serving.requests import GenerationRequest
 from serving.sampling import Sampling
-from serving.scheduler import GenerationRequest
 from tasks.config import LoadtestConfig, SloConfig
 from tasks.params import Config
 

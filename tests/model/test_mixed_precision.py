@@ -99,7 +99,7 @@ def _keeping_the_planted_layer_pays(plan: dict) -> None:
 def _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch):
     """Build `recipe` on the planted model through the optimize stage; the search must see calibration text only
     (the evaluation split holds words the calibration split never has)."""
-    import tasks.techniques.mixed_precision as mixed_precision
+    import tasks.techniques.mixed_precision_search as mixed_precision
 
     calibration = [" ".join(synthetic_sentences(40, seed=s)) for s in range(6)]
     evaluation = ["zebra quartz " * 30]
@@ -165,11 +165,11 @@ def test_an_int8_lm_head_is_kept_from_the_start_and_the_search_chooses_the_rest(
 
     from transformers import AutoModelForCausalLM
 
-    from tasks.techniques.mixed_precision import search
+    from tasks.techniques.mixed_precision_search import Goal, Grid, search
 
     model = AutoModelForCausalLM.from_pretrained(planted_base.path)
     with pytest.raises(ValueError, match=r"size_budget: 0.6 leaves no room for /lm_head/MatMul at 8 bits"):
-        search(model, [[1, 2, 3, 4]], 0.01, 0.6, 32, True, keep_int8=frozenset({"/lm_head/MatMul"}))
+        search(model, [[1, 2, 3, 4]], Goal(0.01, 0.6, frozenset({"/lm_head/MatMul"})), Grid(32, True))
 
 
 def test_a_measured_onnx_search_keeps_the_planted_layer_whole(planted_base, tmp_path, monkeypatch):
@@ -505,7 +505,7 @@ def test_the_per_layer_search_measures_only_what_can_change_the_plan(tiny_model_
     from transformers import AutoModelForCausalLM
 
     from tasks.engines.llama_cpp import gguf
-    from tasks.techniques.mixed_precision import search
+    from tasks.techniques.mixed_precision_search import Goal, Grid, search
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     calls = []
@@ -517,11 +517,11 @@ def test_the_per_layer_search_measures_only_what_can_change_the_plan(tiny_model_
     grouped = {
         "matrices": gguf.gguf_matrices(model),
         "measure": measure,
-        "scale_bytes": gguf.SCALE_BYTES,
         "group": gguf.layer_of,
     }
+    grid = Grid(gguf.BLOCK, True, scale_bytes=gguf.SCALE_BYTES)
     windows = [[1, 2, 3, 4]] * 4
-    plan = search(model, windows, 0.02, 0.8, gguf.BLOCK, True, **grouped)
+    plan = search(model, windows, Goal(0.02, 0.8), grid, **grouped)
     assert (plan.stopped_by, plan.int8_nodes, [quick for _, quick in calls]) == (
         "target met",
         [],
@@ -531,7 +531,7 @@ def test_the_per_layer_search_measures_only_what_can_change_the_plan(tiny_model_
     calls.clear()
     # all 4-bit is 52.9 % of the 8-bit bytes, one of the 2 layers at Q8_0 needs 76.5 %
     with pytest.raises(ValueError, match=r"size_budget: 0.7 leaves no room for any group .* needs 76.5%"):
-        search(model, windows, 0.02, 0.7, gguf.BLOCK, True, **grouped)
+        search(model, windows, Goal(0.02, 0.7), grid, **grouped)
     assert calls == []
 
 
@@ -540,28 +540,29 @@ def test_the_fisher_diagonal_is_computed_once_per_base_and_windows(tiny_model_di
     (same plan, no gradient pass); other windows or a changed weight compute it again."""
     from transformers import AutoModelForCausalLM
 
-    import tasks.techniques.mixed_precision as mixed_precision
+    import tasks.techniques.mixed_precision_search as mixed_precision
     from tasks.techniques.calibration import statistics_cache
+    from tasks.techniques.mixed_precision_search import Goal, Grid
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     passes = []
-    real = mixed_precision._fisher_diagonal
+    real = mixed_precision.fisher_diagonal
 
     def fisher(*args):
         passes.append(1)
         return real(*args)
 
-    monkeypatch.setattr(mixed_precision, "_fisher_diagonal", fisher)
+    monkeypatch.setattr(mixed_precision, "fisher_diagonal", fisher)
     windows = [[5, 9, 2, 7, 3, 8, 1, 4] * 4] * 2
     with statistics_cache(tmp_path / "stats"):
-        first = mixed_precision.search(model, windows, 0.001, 1.0, 32, True)
-        second = mixed_precision.search(model, windows, 0.001, 1.0, 32, True)
+        first = mixed_precision.search(model, windows, Goal(0.001, 1.0), Grid(32, True))
+        second = mixed_precision.search(model, windows, Goal(0.001, 1.0), Grid(32, True))
         assert len(passes) == 1 and first.to_dict() == second.to_dict()
-        mixed_precision.search(model, windows[:1], 0.001, 1.0, 32, True)
+        mixed_precision.search(model, windows[:1], Goal(0.001, 1.0), Grid(32, True))
         assert len(passes) == 2
         with torch.no_grad():
             model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
-        mixed_precision.search(model, windows, 0.001, 1.0, 32, True)
+        mixed_precision.search(model, windows, Goal(0.001, 1.0), Grid(32, True))
         assert len(passes) == 3
 
 
@@ -603,15 +604,17 @@ def test_a_layers_saving_measured_from_its_cached_inputs_is_the_full_pass_s(plan
     saving, and so the plan, is exactly what full passes give (the shortcut is checked at run time too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.techniques import mixed_precision
-    from tasks.techniques.mixed_precision import LayerSuffixes, export_layer_of, search
+    from tasks.techniques import sensitivity
+    from tasks.techniques.mixed_precision import export_layer_of
+    from tasks.techniques.mixed_precision_search import Goal, Grid, search
+    from tasks.techniques.sensitivity import LayerSuffixes
 
     model = AutoModelForCausalLM.from_pretrained(planted_base.path).eval()
     ids = AutoTokenizer.from_pretrained(planted_base.path)(" ".join(synthetic_sentences(200, seed=8)))[
         "input_ids"
     ]
     windows = [ids[i : i + 64] for i in range(0, 64 * 8, 64)]
-    run = lambda: search(model, windows, 0.001, 0.9, 32, True, group=export_layer_of)  # noqa: E731
+    run = lambda: search(model, windows, Goal(0.001, 0.9), Grid(32, True), group=export_layer_of)  # noqa: E731
     shortcuts = []
     real_loss = LayerSuffixes.loss
     monkeypatch.setattr(
@@ -632,7 +635,7 @@ def test_a_layers_saving_measured_from_its_cached_inputs_is_the_full_pass_s(plan
     assert any(c.int4_cost != 0 for c in full.matrices)
     # a layer that depends on more than its input (here: its position in the stack) is caught, and not shortcut
     calls = []
-    real = mixed_precision.LayerSuffixes.loss
+    real = sensitivity.LayerSuffixes.loss
     monkeypatch.undo()
     monkeypatch.setattr(
         LayerSuffixes, "loss", lambda self, start: calls.append(start) or real(self, start) + 1.0

@@ -284,7 +284,7 @@ def test_the_accuracy_check_before_benchmarking_is_the_leaderboards():
     later: the same interval, the same verdict for the same windows and cloze items."""
     from types import SimpleNamespace
 
-    from tasks.decide.select import evaluation_accuracy
+    from tasks.decide.accuracy import evaluation_accuracy
 
     cfg = SelectConfig(max_ppl_increase=0.05)
     scores = [

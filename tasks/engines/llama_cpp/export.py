@@ -224,7 +224,7 @@ def _precision_plan(model: Any, step: LlamaCppStep, f32: Path, imatrix: Any, con
     search ranks by does not carry over: with an importance matrix llama.cpp's 4-bit rounding error is not the
     simulated grid's, and measured per layer it ranked the wrong matrices on SmolLM2."""
     from tasks.engines.llama_cpp import runtime as llama_cpp
-    from tasks.techniques.mixed_precision import search
+    from tasks.techniques.mixed_precision_search import Goal, Grid, search
 
     settings = step.mixed_precision
     windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
@@ -248,16 +248,12 @@ def _precision_plan(model: Any, step: LlamaCppStep, f32: Path, imatrix: Any, con
         plan = search(
             model,
             windows,
-            settings.target_ppl_increase,
-            settings.size_budget,
-            gguf.BLOCK,
-            True,
+            Goal(settings.target_ppl_increase, settings.size_budget),
+            Grid(gguf.BLOCK, True, scale_bytes=gguf.SCALE_BYTES, int4_weights=twin),
             context.report,
             matrices=gguf.gguf_matrices(model),
             measure=measure,
-            scale_bytes=gguf.SCALE_BYTES,
             group=gguf.layer_of,
-            int4_weights=twin,
             groups_in_torch=twin is not None,
         )
     if twin is not None:

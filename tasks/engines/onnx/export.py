@@ -202,23 +202,20 @@ def _mixed_precision_plan(
 ) -> Any:
     """Which matrices the int4 export keeps at int8, searched on the calibration split (never the evaluation's),
     with each matrix at int4 as the export will store it (`rounded`: llmopt's own rounding, else the builder's)."""
-    from tasks.techniques.mixed_precision import export_layer_of, search
+    from tasks.techniques.mixed_precision import export_layer_of
+    from tasks.techniques.mixed_precision_search import Goal, Grid, search
 
     settings = export.mixed_precision
     windows = context.sequences(context.tokenizer, settings.window_tokens, limit=settings.windows)
     int4 = {name: weights.dequantized() for name, weights in rounded.items()} if rounded else None
     with step_arguments("onnx_genai"):
+        keep = frozenset({"/lm_head/MatMul"} if export.lm_head == "int8" else ())
         return search(
             model,
             windows,
-            settings.target_ppl_increase,
-            settings.size_budget,
-            export.block_size,
-            export.symmetric,
+            Goal(settings.target_ppl_increase, settings.size_budget, keep),
+            Grid(export.block_size, export.symmetric, int4_weights=int4, shared_int8_table=shared),
             context.report,
-            int4_weights=int4,
-            shared_int8_table=shared,
-            keep_int8=frozenset({"/lm_head/MatMul"} if export.lm_head == "int8" else ()),
             group=export_layer_of if settings.sensitivity in ("measured", "simulated") else None,
         )
 
