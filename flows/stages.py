@@ -132,10 +132,8 @@ def evaluate_task(
                 config.evaluate,
                 continuations,
                 saved,
-                config.target.threads,
+                config.target,
                 update,
-                device=config.target.device,
-                tensor_parallel=config.target.tensor_parallel,
             )
         if reused:
             get_run_logger().info(f"{built.name}: evaluation unchanged since the last run, reused")
@@ -158,15 +156,7 @@ def benchmark_task(
     machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
     settings = config.benchmark.short() if short else config.benchmark
     with timed("benchmark", name, machine) as span, progress_bar("benchmark", name):
-        result = benchmark_in_fresh_process(
-            folder,
-            settings,
-            prompt_text,
-            config.target.threads,
-            config.target.device,
-            config.target.tensor_parallel,
-            served,
-        )
+        result = benchmark_in_fresh_process(folder, settings, prompt_text, config.target, served)
     return replace(result, short=short), span[0]
 
 

@@ -247,7 +247,7 @@ def _measure(
 ) -> dict:
     import torch
 
-    from tasks.config import BenchmarkConfig
+    from tasks.config import BenchmarkConfig, TargetConfig
     from tasks.engines import load_runtime
     from tasks.measure.benchmark import benchmark_variant, memory_read_bandwidth_gbs, roofline_fraction
     from tasks.params import VariantConfig
@@ -264,7 +264,8 @@ def _measure(
         calibration=base.calibration,
     )
     build_s = time.perf_counter() - started
-    runtime = load_runtime(folder, os.cpu_count() or 1, device, check.ranks)
+    target = TargetConfig(device=device, threads=os.cpu_count() or 1, tensor_parallel=check.ranks)
+    runtime = load_runtime(folder, target)
     logits = runtime.logits(base.probe)
     getattr(runtime, "close", lambda: None)()  # a split model's other ranks stop before the benchmark starts
     del runtime
@@ -279,9 +280,7 @@ def _measure(
         request_new_tokens=4,
         repeats=2,
     )
-    measured = benchmark_variant(
-        folder, cfg, " ".join(["river stone garden"] * 20), os.cpu_count() or 1, device, check.ranks
-    )
+    measured = benchmark_variant(folder, cfg, " ".join(["river stone garden"] * 20), target)
     bandwidth = memory_read_bandwidth_gbs(os.cpu_count() or 1, megabytes=64 if tiny else 512, device=device)
     result = {
         "build_s": round(build_s, 2),

@@ -273,24 +273,9 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
         version = version or current_version(name, alias)
         if version is None:
             raise RegistryError(f"no model version {name}@{alias} in the registry; run `llmopt run` first")
-        target = config.target
-        model = ServedModel(
-            name,
-            alias,
-            load_version(
-                name, version, target.threads, limits, metrics, target.device, target.tensor_parallel
-            ),
-        )
+        model = ServedModel(name, alias, load_version(name, version, config.target, limits, metrics))
         if alias and settings.watch_s > 0:
-            watch_alias(
-                model,
-                target.threads,
-                settings.watch_s,
-                limits,
-                metrics,
-                target.device,
-                target.tensor_parallel,
-            )
+            watch_alias(model, config.target, settings.watch_s, limits, metrics)
         served.append(model)
     app = create_app(ModelRouter(served), settings, metrics)
     # uvicorn lets in-flight requests (streams included) finish on SIGTERM/Ctrl-C before the lifespan shutdown,

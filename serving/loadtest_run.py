@@ -194,11 +194,8 @@ def _same_mix(
     from serving.loadtest import offline_same_mix
     from serving.models import Limits, load_version
 
-    serve, target = config.serve, config.target
-    limits = Limits.of(serve)
-    loaded = load_version(
-        registered, version, target.threads, limits, None, target.device, target.tensor_parallel
-    )
+    limits = Limits.of(config.serve)
+    loaded = load_version(registered, version, config.target, limits, None)
     try:
         return {count: offline_same_mix(loaded.runtime, batch, count, limits) for count in clients}
     finally:

@@ -17,7 +17,7 @@ from typing import Any
 
 from serving.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, DEFAULT_STEP_TOKENS, Scheduler
 from serving.text import RequestError
-from tasks.config import ServeConfig
+from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import Runtime
 from tasks.errors import ArtifactError
 
@@ -135,13 +135,7 @@ class ModelRouter:
 
 
 def load_version(
-    model_name: str,
-    version: str,
-    threads: int,
-    limits: Limits,
-    metrics: Any,
-    device: str = "cpu",
-    tensor_parallel: int = 1,
+    model_name: str, version: str, target: TargetConfig, limits: Limits, metrics: Any
 ) -> LoadedModel:
     """Download a registered version, check its bytes against the hash the registry recorded, load and warm it."""
     from tasks.decide.model_registry import download_verified
@@ -151,7 +145,7 @@ def load_version(
     try:
         folder = download_verified(model_name, version, Path(scratch.name))
         try:
-            runtime = load_runtime(folder, threads, device, tensor_parallel)
+            runtime = load_runtime(folder, target)
         except ArtifactError as exc:  # bytes as registered, yet the engine refuses them: name the version
             said = str(exc).replace(f"{folder}/", "").replace(str(folder), "").lstrip(": ")
             raise ArtifactError(f"{model_name} v{version}: {said}") from exc
@@ -175,13 +169,7 @@ def warm_up(runtime: Runtime) -> None:
 
 
 def watch_alias(
-    served: ServedModel,
-    threads: int,
-    every_s: float,
-    limits: Limits,
-    metrics: Any,
-    device: str = "cpu",
-    tensor_parallel: int = 1,
+    served: ServedModel, target: TargetConfig, every_s: float, limits: Limits, metrics: Any
 ) -> threading.Thread:
     """A daemon thread that swaps in the version `served.alias` points to whenever it moves (every `every_s`)."""
 
@@ -196,9 +184,7 @@ def watch_alias(
         if version in refused:
             return
         try:
-            loaded = load_version(
-                served.registered, version, threads, limits, metrics, device, tensor_parallel
-            )
+            loaded = load_version(served.registered, version, target, limits, metrics)
         except Exception as exc:  # keep serving the old model and say why in /health
             if isinstance(exc, LlmoptError):
                 refused.add(version)  # its bytes or its registration are wrong: retrying cannot help

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tasks.config import TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tests.factories import synthetic_sentences
 
@@ -410,5 +411,5 @@ def claim_failures(claim: Claim, problems: list[str], measured: Measured) -> lis
 
 def assess(folder: Path, claim: Claim, reference: Reference) -> tuple[list[str], Measured]:
     """(what the stored weights get wrong, the measurements) of the variant in `folder`."""
-    runtime = load_runtime(folder, threads=1)
+    runtime = load_runtime(folder, TargetConfig(threads=1))
     return stored_problems(folder, claim, runtime), measure(runtime, reference)

@@ -9,6 +9,7 @@ from pathlib import Path
 import mlflow.models
 import mlflow.pyfunc
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import VARIANT_ARTIFACT
 
@@ -19,7 +20,7 @@ class LlmoptVariantModel(mlflow.pyfunc.PythonModel):
     """Loads the variant through its Runtime; predict maps prompts to greedy completions."""
 
     def load_context(self, context):
-        self.runtime = load_runtime(Path(context.artifacts[VARIANT_ARTIFACT]), threads=THREADS)
+        self.runtime = load_runtime(Path(context.artifacts[VARIANT_ARTIFACT]), TargetConfig(threads=THREADS))
 
     # No type hints here: MLflow would derive a signature from them and drop the `params` of the logged one.
     def predict(self, context, model_input, params=None):

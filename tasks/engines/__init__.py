@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from tasks.config import TargetConfig
 from tasks.engines import speculative
 from tasks.engines.contract import Runtime
 from tasks.engines.manifest import same_tokenizer, verify_variant
@@ -27,35 +28,36 @@ for _engine in BUILT_IN:
 __all__ = ["ENGINES", "Runtime", "load_runtime"]
 
 
-def load_runtime(folder: Path, threads: int, device: str = "cpu", tensor_parallel: int = 1) -> Runtime:
-    """Open the variant in `folder` with the engine its manifest names, on `device` (params.yaml target.device)
-    with `threads` CPU threads unless the recipe sets them, once its bytes are verified against the manifest's
-    content hash (a damaged file is an ArtifactError). `tensor_parallel` > 1 (target.tensor_parallel): the torch
-    engine split over that many ranks, which llmopt starts (tasks/engines/pytorch/tensor_parallel.py)."""
+def load_runtime(folder: Path, target: TargetConfig) -> Runtime:
+    """Open the variant in `folder` with the engine its manifest names on the `target` (params.yaml `target`: its
+    device, its CPU threads unless the recipe sets them, and with `tensor_parallel` > 1 the torch engine split over
+    that many ranks, which llmopt starts: tasks/engines/pytorch/tensor_parallel.py), once its bytes are verified
+    against the manifest's content hash (a damaged file is an ArtifactError)."""
     manifest = verify_variant(folder)
     load_plugins()
     if manifest.engine not in ENGINES:
         raise ArtifactError(f"{folder}: engine {manifest.engine!r} unknown; known: {', '.join(ENGINES)}")
     engine = ENGINES[manifest.engine]
-    if device.partition(":")[0] not in engine.DEVICES:
+    if target.device.partition(":")[0] not in engine.DEVICES:
         raise TargetError(
-            f"{folder}: the {manifest.engine} engine runs on {', '.join(engine.DEVICES)}, not {device}"
+            f"{folder}: the {manifest.engine} engine runs on {', '.join(engine.DEVICES)}, not {target.device}"
         )
-    threads = manifest.runtime_settings().threads or threads
-    if tensor_parallel > 1:
+    threads = manifest.runtime_settings().threads or target.threads
+    target = target.model_copy(update={"threads": threads})
+    if target.tensor_parallel > 1:
         if engine is not ENGINES["torch"]:
             raise TargetError(f"{folder}: tensor parallelism is the torch engine's, not {manifest.engine}'s")
         if manifest.runtime_settings().speculative is not None:
             raise TargetError(f"{folder}: speculative decoding runs on one device, not split over ranks")
         from tasks.engines.pytorch.tensor_parallel import TensorParallelRuntime
 
-        return TensorParallelRuntime(folder, manifest, threads, device, tensor_parallel)
-    runtime = engine(folder, manifest, threads, device)
-    attach_speculation(runtime, folder, threads, device)
+        return TensorParallelRuntime(folder, manifest, target)
+    runtime = engine(folder, manifest, target)
+    attach_speculation(runtime, folder, target)
     return runtime
 
 
-def attach_speculation(runtime: Runtime, folder: Path, threads: int, device: str) -> None:
+def attach_speculation(runtime: Runtime, folder: Path, target: TargetConfig) -> None:
     """Give `runtime` its variant's speculation (from its manifest's runtime settings), loading a draft variant
     from the folder's `draft/` (checked like any variant, and required to share the tokenizer)."""
     settings = runtime.manifest.runtime_settings().speculative
@@ -72,5 +74,5 @@ def attach_speculation(runtime: Runtime, folder: Path, threads: int, device: str
             raise ArtifactError(
                 f"{where}: the draft's tokenizer differs from the variant's; it cannot propose"
             )
-        draft = load_runtime(where, threads, device)
+        draft = load_runtime(where, target.model_copy(update={"tensor_parallel": 1}))
     runtime.speculation = speculative.Speculation(settings, draft)

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks.config import BenchmarkConfig
+from tasks.config import BenchmarkConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.failpoints import failpoint
 from tasks.measure.sampling import median_interval, repeat_to_length
@@ -222,22 +222,20 @@ def benchmark_variant(
     folder: Path,
     cfg: BenchmarkConfig,
     prompt_text: str,
-    threads: int,
-    device: str = "cpu",
-    tensor_parallel: int = 1,
+    target: TargetConfig,
     served: ServedPlan | None = None,
 ) -> BenchmarkResult:
-    """Load the variant on `device` and measure TTFT, decode speed per batch size and latency over the request
+    """Load the variant on the `target` and measure TTFT, decode speed per batch size and latency over the request
     set (every timed call returns token ids to the host, so a GPU's queued work is inside the timing); with a
     `served` plan, then its served capacity at each of `cfg.served_clients`."""
-    rss_before = _rss_mb()
+    rss_before, device = _rss_mb(), target.device
     gpu = device.startswith("cuda")
     if gpu:
         import torch
 
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    runtime = load_runtime(folder, threads, device, tensor_parallel)
+    runtime = load_runtime(folder, target)
     load_s = time.perf_counter() - start
     ids = runtime.encode(prompt_text)
     if not ids:
@@ -279,7 +277,7 @@ def benchmark_variant(
         decode_read_bytes=decode_read_bytes(folder, device),
         peak_rss_mb=peak_rss_mb,
         process_rss_before_load_mb=rss_before,
-        threads=threads,
+        threads=target.threads,
         peak_gpu_mb=peak_gpu_mb,
         first_call_s=first_call_s,
         speculation=speculation,
@@ -367,16 +365,14 @@ def benchmark_in_fresh_process(
     folder: Path,
     cfg: BenchmarkConfig,
     prompt_text: str,
-    threads: int,
-    device: str = "cpu",
-    tensor_parallel: int = 1,
+    target: TargetConfig,
     served: ServedPlan | None = None,
 ) -> BenchmarkResult:
     """Run `benchmark_variant` in a newly spawned interpreter and return its result."""
     from tasks.quiet import output_to_log_file
 
     spawn = multiprocessing.get_context("spawn")
-    arguments = (str(folder), cfg.model_dump(), prompt_text, threads, device, tensor_parallel, served)
+    arguments = (str(folder), cfg.model_dump(), prompt_text, target.model_dump(), served)
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=output_to_log_file) as pool:
         future = pool.submit(_benchmark_as_dict, *arguments)
         failpoint("benchmark")  # tests: SIGKILL while the benchmark process runs
@@ -392,19 +388,13 @@ def benchmark_in_fresh_process(
 
 
 def _benchmark_as_dict(
-    folder: str,
-    cfg: dict,
-    prompt_text: str,
-    threads: int,
-    device: str,
-    tensor_parallel: int,
-    served: ServedPlan | None,
+    folder: str, cfg: dict, prompt_text: str, target: dict, served: ServedPlan | None
 ) -> dict:
     from tasks.quiet import quiet_libraries
 
     quiet_libraries()  # a spawned interpreter does not inherit the CLI's warning filters and log levels
     result = benchmark_variant(
-        Path(folder), BenchmarkConfig(**cfg), prompt_text, threads, device, tensor_parallel, served
+        Path(folder), BenchmarkConfig(**cfg), prompt_text, TargetConfig(**target), served
     )
     return asdict(result)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.config import EvaluateConfig
+from tasks.config import EvaluateConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import DataValidationError
@@ -243,18 +243,16 @@ def evaluate_or_reuse(
     cfg: EvaluateConfig,
     reference: list[list[int]] | None,
     saved: Path,
-    threads: int,
+    target: TargetConfig,
     progress: Callable[[int, int], None] | None = None,
-    device: str = "cpu",
-    tensor_parallel: int = 1,
 ) -> tuple[VariantEvaluation, bool]:
     """(evaluation, reused): the evaluation saved in `saved` when its key (bytes, text, settings, reference,
     measuring code) still matches, else a fresh one through the variant's Runtime, saved for next time."""
-    key = evaluation_key(manifest.model_hash, texts, cfg, reference, device, tensor_parallel)
+    key = evaluation_key(manifest.model_hash, texts, cfg, reference, target.device, target.tensor_parallel)
     previous = load_evaluation(saved, key)
     if previous is not None:
         return previous, True
-    runtime = load_runtime(folder, threads, device, tensor_parallel)
+    runtime = load_runtime(folder, target)
     evaluation = evaluate_variant(runtime, texts, cfg, reference, progress)
     failpoint("evaluate")  # tests: SIGKILL with the evaluation measured, not yet saved
     save_evaluation(saved, key, evaluation)

@@ -14,7 +14,7 @@ from tasks.errors import TargetError
 from tasks.weights.registry import WeightsFormat, register
 
 if TYPE_CHECKING:
-    from tasks.config import RuntimeSettings
+    from tasks.config import RuntimeSettings, TargetConfig
 
 ON_LOAD = "hf-quantize-on-load"
 ON_LOAD_FILE = "quantize-on-load.json"
@@ -36,9 +36,7 @@ class QuantizeOnLoad(WeightsFormat):
         model.to(torch.bfloat16).save_pretrained(dest)  # exact: the grid was taken from the bfloat16 weights
         (dest / ON_LOAD_FILE).write_text(json.dumps({**record, **packed_bytes(model, record)}, indent=1))
 
-    def load(
-        self, folder: Path, dtype: str, settings: RuntimeSettings, device: str, tensor_parallel: int
-    ) -> Any:
+    def load(self, folder: Path, dtype: str, settings: RuntimeSettings, target: TargetConfig) -> Any:
         """Read on the host and packed one matrix at a time on the device, so the device never holds the whole
         bfloat16 model (the first H200 check moved it whole and packed in place: a peak of 4.5 GB for a 0.5 GB
         int4 model whose bfloat16 form is 1.9 GB; this order has not been measured on a GPU yet)."""
@@ -47,13 +45,13 @@ class QuantizeOnLoad(WeightsFormat):
         from transformers import AutoModelForCausalLM
 
         record = json.loads((folder / ON_LOAD_FILE).read_text())
-        config = on_load_config(record, device)
+        config = on_load_config(record, target.device)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, trust_remote_code=False)
         for module in dict.fromkeys(
             on_load_modules(model, record).values()
         ):  # each matrix once, in model order
-            quantize_(module.to(device), config)
-        return model.to(device)
+            quantize_(module.to(target.device), config)
+        return model.to(target.device)
 
 
 def on_load_config(record: dict[str, Any], device: str) -> Any:

@@ -11,7 +11,7 @@ from tasks.weights.registry import WeightsFormat, register
 from tasks.weights.torch_dynamic import float_skeleton, save_config
 
 if TYPE_CHECKING:
-    from tasks.config import RuntimeSettings
+    from tasks.config import RuntimeSettings, TargetConfig
 
 QUANTO = "quanto"
 QUANTO_MAP_FILE = "quantization_map.json"
@@ -35,9 +35,7 @@ class Quanto(WeightsFormat):
         save_file(state, dest / "model.safetensors")
         (dest / QUANTO_MAP_FILE).write_text(json.dumps(quantization_map(model), indent=1, sort_keys=True))
 
-    def load(
-        self, folder: Path, dtype: str, settings: RuntimeSettings, device: str, tensor_parallel: int
-    ) -> Any:
+    def load(self, folder: Path, dtype: str, settings: RuntimeSettings, target: TargetConfig) -> Any:
         import torch
         from optimum.quanto import requantize
         from safetensors.torch import load_file
@@ -48,4 +46,4 @@ class Quanto(WeightsFormat):
         requantize(skeleton, state, quantization, device=torch.device("cpu"))
         if not any(key.startswith("lm_head.") for key in state):  # saved tied: share the embeddings again
             skeleton.get_output_embeddings().weight = skeleton.get_input_embeddings().weight
-        return skeleton.to(device)
+        return skeleton.to(target.device)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from tasks.config import RuntimeSettings
+    from tasks.config import RuntimeSettings, TargetConfig
 
 
 class WeightsFormat:
@@ -31,11 +31,9 @@ class WeightsFormat:
         step that produced the model stores beside it (an on-load record), if anything."""
         raise NotImplementedError
 
-    def load(
-        self, folder: Path, dtype: str, settings: RuntimeSettings, device: str, tensor_parallel: int
-    ) -> Any:
-        """The model in `folder` on `device` (with `tensor_parallel` > 1, this rank's shard: the process group is
-        already joined), as the runtime `settings` ask."""
+    def load(self, folder: Path, dtype: str, settings: RuntimeSettings, target: TargetConfig) -> Any:
+        """The model in `folder` on `target.device` (with `target.tensor_parallel` > 1, this rank's shard: the
+        process group is already joined), as the runtime `settings` ask."""
         raise NotImplementedError
 
 

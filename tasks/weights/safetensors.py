@@ -10,7 +10,7 @@ from tasks.errors import TargetError
 from tasks.weights.registry import WeightsFormat, register
 
 if TYPE_CHECKING:
-    from tasks.config import RuntimeSettings
+    from tasks.config import RuntimeSettings, TargetConfig
 
 HF_SAFETENSORS = "hf-safetensors"
 
@@ -25,21 +25,21 @@ class Safetensors(WeightsFormat):
 
         model.to(getattr(torch, dtype)).save_pretrained(dest)
 
-    def load(
-        self, folder: Path, dtype: str, settings: RuntimeSettings, device: str, tensor_parallel: int
-    ) -> Any:
+    def load(self, folder: Path, dtype: str, settings: RuntimeSettings, target: TargetConfig) -> Any:
         import torch
         from transformers import AutoModelForCausalLM
 
         options = {"dtype": getattr(torch, dtype), "attn_implementation": settings.attn_implementation}
-        if tensor_parallel > 1:
+        if target.tensor_parallel > 1:
             from transformers.distributed import DistributedConfig
 
-            split = DistributedConfig(tp_size=tensor_parallel)
+            split = DistributedConfig(tp_size=target.tensor_parallel)
             return AutoModelForCausalLM.from_pretrained(folder, distributed_config=split, **options)
         if settings.sliding_window is not None:
-            return _load_with_sliding_window(folder, settings.sliding_window, options).to(device)
-        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options).to(device)
+            return _load_with_sliding_window(folder, settings.sliding_window, options).to(target.device)
+        return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False, **options).to(
+            target.device
+        )
 
 
 def _load_with_sliding_window(folder: Path, window: int, options: dict[str, Any]) -> Any:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.weights.registry import WeightsFormat, register
 
 if TYPE_CHECKING:
-    from tasks.config import RuntimeSettings
+    from tasks.config import RuntimeSettings, TargetConfig
 
 TORCH_DYNAMIC = "torch-dynamic-int8"
 TORCH_DYNAMIC_FILE = "model-dynamic-int8.pt"
@@ -57,9 +57,7 @@ class TorchDynamic(WeightsFormat):
         save_config(model, dest)
         torch.save(model.state_dict(), dest / TORCH_DYNAMIC_FILE)
 
-    def load(
-        self, folder: Path, dtype: str, settings: RuntimeSettings, device: str, tensor_parallel: int
-    ) -> Any:
+    def load(self, folder: Path, dtype: str, settings: RuntimeSettings, target: TargetConfig) -> Any:
         import torch
 
         model = quantize_dynamic_int8(float_skeleton(folder))
@@ -67,4 +65,4 @@ class TorchDynamic(WeightsFormat):
             warnings.simplefilter("ignore", UserWarning)  # torch's TypedStorage notice for quantized tensors
             state = torch.load(folder / TORCH_DYNAMIC_FILE, weights_only=True)
         model.load_state_dict(state, strict=True)
-        return model.to(device)
+        return model.to(target.device)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tasks.weights.registry import WeightsFormat, register
 
 if TYPE_CHECKING:
-    from tasks.config import RuntimeSettings
+    from tasks.config import RuntimeSettings, TargetConfig
 
 TRANSFORMERS_QUANTIZED = "hf-quantized"
 
@@ -22,15 +22,13 @@ class TransformersQuantized(WeightsFormat):
     def save(self, model: Any, dest: Path, dtype: str, record: dict[str, Any] | None) -> None:
         model.save_pretrained(dest)
 
-    def load(
-        self, folder: Path, dtype: str, settings: RuntimeSettings, device: str, tensor_parallel: int
-    ) -> Any:
+    def load(self, folder: Path, dtype: str, settings: RuntimeSettings, target: TargetConfig) -> Any:
         from transformers import AutoModelForCausalLM
 
         # placed by transformers: bitsandbytes' packed weights are made for the device they are loaded onto
-        placed = {"device_map": {"": device}} if device != "cpu" else {}
+        placed = {"device_map": {"": target.device}} if target.device != "cpu" else {}
         return AutoModelForCausalLM.from_pretrained(
-            folder, dtype=_quantized_dtype(folder, device), trust_remote_code=False, **placed
+            folder, dtype=_quantized_dtype(folder, target.device), trust_remote_code=False, **placed
         )
 
 

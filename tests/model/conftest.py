@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.config import TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
@@ -54,7 +55,7 @@ def tiny_engine_dir(
 @pytest.fixture(scope="session")
 def baseline_runtime(baseline_dir: Path) -> Runtime:
     """The baseline loaded through the Runtime, one thread (tiny matrices gain nothing from more)."""
-    return load_runtime(baseline_dir, threads=1)
+    return load_runtime(baseline_dir, TargetConfig(threads=1))
 
 
 @pytest.fixture(scope="session")
@@ -89,4 +90,4 @@ def trained_variants(
 @pytest.fixture(scope="session")
 def reference(trained_variants: dict[str, Path]) -> Reference:
     """The trained model's fp32 answers on the held-out windows."""
-    return Reference.of(load_runtime(trained_variants["baseline"], threads=1))
+    return Reference.of(load_runtime(trained_variants["baseline"], TargetConfig(threads=1)))

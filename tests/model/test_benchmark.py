@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.config import BenchmarkConfig
+from tasks.config import BenchmarkConfig, TargetConfig
 from tasks.measure.benchmark import (
     BatchSpeed,
     BenchmarkResult,
@@ -63,7 +63,9 @@ def test_fresh_process_reports_its_own_peak_memory_not_the_parents(baseline_dir)
         warmup=0,
         repeats=2,
     )
-    result = benchmark_in_fresh_process(baseline_dir, cfg, "The river walks the stone.", threads=1)
+    result = benchmark_in_fresh_process(
+        baseline_dir, cfg, "The river walks the stone.", TargetConfig(threads=1)
+    )
     del ballast  # kept alive until the child has finished
     assert 50 < result.peak_rss_mb < 700
     assert result.prompt_tokens == 8 and result.new_tokens == 4
@@ -181,7 +183,9 @@ def test_served_capacity_runs_every_request_to_its_budget_through_the_scheduler_
         repeats=1,
         served_clients=[1, 4],
     )
-    result = benchmark_in_fresh_process(tiny_engine_dir(engine), cfg, "The river walks.", 1, served=plan)
+    result = benchmark_in_fresh_process(
+        tiny_engine_dir(engine), cfg, "The river walks.", TargetConfig(threads=1), served=plan
+    )
     assert [level.concurrency for level in result.served] == [1, 4]
     for level in result.served:
         assert level.requests == 6 and level.errors == 0
@@ -190,7 +194,7 @@ def test_served_capacity_runs_every_request_to_its_budget_through_the_scheduler_
         assert level.goodput_rps != level.goodput_rps  # no SLO, no goodput
     assert result.served_peak_rss_mb >= result.peak_rss_mb
     short = benchmark_in_fresh_process(
-        tiny_engine_dir(engine), cfg.short(), "The river walks.", 1, served=plan
+        tiny_engine_dir(engine), cfg.short(), "The river walks.", TargetConfig(threads=1), served=plan
     )
     assert short.served is None and short.served_peak_rss_mb is None
 
@@ -198,7 +202,7 @@ def test_served_capacity_runs_every_request_to_its_budget_through_the_scheduler_
         from tasks.engines import load_runtime
         from tasks.measure.served import served_capacity
 
-        runtime = load_runtime(tiny_engine_dir(engine), threads=1)
+        runtime = load_runtime(tiny_engine_dir(engine), TargetConfig(threads=1))
         generous = served_capacity(runtime, replace(plan, slo=SloConfig(ttft_p95_ms=60_000)), [4])[0]
         assert generous.goodput_rps == pytest.approx(generous.requests_s)
         impossible = served_capacity(runtime, replace(plan, slo=SloConfig(ttft_p95_ms=1e-6)), [4])[0]

@@ -12,6 +12,7 @@ import pytest
 
 from serving.sampling import Sampling
 from serving.scheduler import GenerationRequest, Scheduler
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 
 RUNNING = "The river walks the stone near the garden."
@@ -21,7 +22,7 @@ ARRIVING = " ".join(["Near the quiet forest 7, a train finds the book."] * 4)
 @pytest.fixture(scope="module", params=["llama.cpp", "onnxruntime-genai"])
 def llama(request, tiny_engine_dir):
     """Each engine with chunked prefill and prefix reuse (named for the first one)."""
-    return load_runtime(tiny_engine_dir(request.param), threads=1)
+    return load_runtime(tiny_engine_dir(request.param), TargetConfig(threads=1))
 
 
 def fused(runtime) -> bool:

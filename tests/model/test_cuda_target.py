@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.errors import TargetError
 
@@ -17,12 +18,15 @@ PROMPTS = [[1, 5, 9, 13, 2], [7, 7, 3]]
 
 def test_an_engine_refuses_a_device_it_does_not_run_on_naming_those_it_does(baseline_dir: Path):
     with pytest.raises(TargetError, match=r"the torch engine runs on cpu, cuda, not xpu$"):
-        load_runtime(baseline_dir, threads=1, device="xpu")
+        load_runtime(baseline_dir, TargetConfig.model_construct(threads=1, device="xpu", tensor_parallel=1))
 
 
 @pytest.mark.cuda
 def test_the_torch_engine_on_cuda_decodes_and_scores_as_on_the_cpu(baseline_dir: Path):
-    cpu, gpu = load_runtime(baseline_dir, threads=1), load_runtime(baseline_dir, threads=1, device="cuda")
+    cpu, gpu = (
+        load_runtime(baseline_dir, TargetConfig(threads=1)),
+        load_runtime(baseline_dir, threads=1, device="cuda"),
+    )
     assert next(gpu.model.parameters()).device.type == "cuda"
     assert gpu.generate(PROMPTS, 8) == cpu.generate(PROMPTS, 8)  # fp32: TF32 is off by default in torch
     for (nll_gpu, n_gpu), (nll_cpu, n_cpu) in zip(gpu.score(PROMPTS), cpu.score(PROMPTS), strict=True):
@@ -50,7 +54,7 @@ def test_the_gpus_padded_batch_decoder_steps_sequences_of_different_lengths_as_e
 
     from tasks.engines.pytorch.runtime import PaddedBatchDecoder
 
-    runtime = load_runtime(baseline_dir, threads=1)
+    runtime = load_runtime(baseline_dir, TargetConfig(threads=1))
     alone, padded = (
         runtime.batch_decoder(),
         PaddedBatchDecoder(runtime.model, runtime._no_grad, runtime.device),

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import verify_variant
 from tasks.errors import ArtifactError
@@ -35,7 +36,7 @@ def test_a_file_that_parses_wrong_though_its_hash_matches_is_named_in_the_engine
     damaged = damage_as_hashed(folder, name)
     verify_variant(folder)  # the bytes are those the manifest recorded: only the engine can tell
     with pytest.raises(ArtifactError) as refused:
-        load_runtime(folder, threads=1)
+        load_runtime(folder, TargetConfig(threads=1))
     message = str(refused.value)
     assert str(folder) in message and "\n" not in message, message
     assert re.search(says, message), message
@@ -45,7 +46,7 @@ def test_a_file_that_parses_wrong_though_its_hash_matches_is_named_in_the_engine
 
 def test_the_servers_onnx_decoder_refuses_a_graph_damaged_after_the_model_loaded(tiny_engine_dir, tmp_path):
     folder = shutil.copytree(tiny_engine_dir("onnxruntime-genai"), tmp_path / "variant")
-    runtime = load_runtime(folder, threads=1)
+    runtime = load_runtime(folder, TargetConfig(threads=1))
     damaged = damage_as_hashed(folder, "model.onnx")
     with pytest.raises(ArtifactError, match=r"model\.onnx: ONNX Runtime cannot load this model: ") as refused:
         runtime.batch_decoder()
@@ -58,4 +59,4 @@ def test_a_gguf_with_a_wrong_magic_is_refused_with_llama_cpps_own_words(tiny_eng
     path.write_bytes(b"XXXX" + path.read_bytes()[4:])
     damage_as_hashed(folder, "model.gguf", keep=1.0)  # nothing cut: the new bytes recorded as the manifest's
     with pytest.raises(ArtifactError, match=r"invalid magic characters: 'XXXX', expected 'GGUF'"):
-        load_runtime(folder, threads=1)
+        load_runtime(folder, TargetConfig(threads=1))

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
@@ -199,7 +200,7 @@ def test_distill_then_onnx_genai_exports_the_smaller_student_that_scores_like_it
         )
         for name, steps in recipes.items()
     }
-    runtimes = {name: load_runtime(tmp_path / name, threads=1) for name in recipes}
+    runtimes = {name: load_runtime(tmp_path / name, TargetConfig(threads=1)) for name in recipes}
     assert runtimes["onnx"].manifest.engine == "onnxruntime-genai"
     decoder = json.loads((tmp_path / "onnx" / "genai_config.json").read_text())["model"]["decoder"]
     graph = onnx.load(tmp_path / "onnx" / "model.onnx", load_external_data=False).graph

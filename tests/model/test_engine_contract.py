@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from tasks.config import TargetConfig
 from tasks.engines import ENGINES, Runtime, load_runtime
 from tests.factories import TINY_ENGINE_RECIPES
 
@@ -16,7 +17,7 @@ RECIPES = TINY_ENGINE_RECIPES  # the engines tiny_engine_dir builds
 
 @pytest.fixture(scope="module", params=sorted(RECIPES))
 def runtime(request, tiny_engine_dir) -> Runtime:
-    return load_runtime(tiny_engine_dir(request.param), threads=1)
+    return load_runtime(tiny_engine_dir(request.param), TargetConfig(threads=1))
 
 
 def test_every_registered_engine_is_covered_here():

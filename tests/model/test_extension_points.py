@@ -48,12 +48,12 @@ class Halves(WeightsFormat):
         model.to(torch.float16).save_pretrained(dest)
         (dest / "toy-halves.json").write_text(json.dumps(record))
 
-    def load(self, folder, dtype, settings, device, tensor_parallel):
+    def load(self, folder, dtype, settings, target):
         import torch
         from transformers import AutoModelForCausalLM
 
         json.loads((folder / "toy-halves.json").read_text())
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(target.device)
 
 
 # --- a quantization method writing it ----------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class BigramRuntime(Runtime):
     ENGINE = "toy-bigram"
     LIBRARIES = ("numpy",)
 
-    def __init__(self, folder, manifest, threads, device="cpu"):
+    def __init__(self, folder, manifest, target):
         from transformers import AutoTokenizer
 
         self.manifest, self.tokenizer, self.context_length = manifest, AutoTokenizer.from_pretrained(folder), 4096
@@ -186,7 +186,7 @@ from safetensors.torch import load_file
 
 from serving.app import create_app
 from serving.models import Limits, LoadedModel, ModelRouter, ServedModel
-from tasks.config import ServeConfig
+from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import load_runtime
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
@@ -214,7 +214,7 @@ halves = build_variant(
 )
 result["halves"] = {"format": halves.weights_format, "engine": halves.engine, "notes": halves.notes}
 result["halves_params"] = {k: v for k, v in recipe_params(halves).items() if k in ("technique", "weight_bits")}
-runtime = load_runtime(out / "h", threads=1)
+runtime = load_runtime(out / "h", TargetConfig(threads=1))
 stored = load_file(model_dir / "model.safetensors")
 loaded = dict(runtime.model.named_parameters())
 result["halves_weights"] = all(
@@ -227,7 +227,7 @@ bigram = build_variant(
     "bigram", VariantConfig.model_validate({"steps": [{"toy_bigram": {"shift": 3}}]}), base, "d", out / "b"
 )
 result["bigram"] = {"format": bigram.weights_format, "engine": bigram.engine, "notes": bigram.notes}
-runtime = load_runtime(out / "b", threads=1)
+runtime = load_runtime(out / "b", TargetConfig(threads=1))
 result["engine_class"] = type(runtime).__name__
 result["generate"] = runtime.generate([[5, 6]], 3, stop_at_eos=False)
 result["versions"] = "numpy" in _library_versions()

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.llama_cpp.runtime import MODEL_FILE
 from tasks.inputs.load import PreparedBase
@@ -32,7 +33,7 @@ def gguf_dir(tiny_base, tmp_path_factory):
 def test_gguf_scores_like_pytorch_fp32(file_type, tolerance, tiny_base, gguf_dir, baseline_runtime):
     manifest = _build(file_type, {"type": file_type}, tiny_base, gguf_dir)
     assert manifest.engine == "llama.cpp" and manifest.weights_format == "gguf"
-    runtime = load_runtime(gguf_dir / file_type, threads=1)
+    runtime = load_runtime(gguf_dir / file_type, TargetConfig(threads=1))
     ids = baseline_runtime.encode(TEXT)
     windows = [ids[i : i + 64] for i in range(0, len(ids) - 64, 64)]
     assert len(windows) >= 4
@@ -54,7 +55,7 @@ def test_gguf_scores_like_pytorch_fp32(file_type, tolerance, tiny_base, gguf_dir
 
 def test_greedy_generation_matches_pytorch(tiny_base, gguf_dir, baseline_runtime):
     _build("F32", {"type": "F32"}, tiny_base, gguf_dir)
-    runtime = load_runtime(gguf_dir / "F32", threads=1)
+    runtime = load_runtime(gguf_dir / "F32", TargetConfig(threads=1))
     ids = baseline_runtime.encode(TEXT)
     prompts = [ids[:5], ids[10:22], ids[30:61]]
     expected = baseline_runtime.generate(prompts, 12, stop_at_eos=False)
@@ -68,7 +69,7 @@ def test_every_quantized_type_builds_loads_and_scores_every_token(
     """(How far each type moves the model, and that it stores that type: test_techniques.py, on a trained model.)"""
     manifest = _build(file_type, {"type": file_type}, tiny_base, gguf_dir)
     assert _architecture(gguf_dir / file_type / MODEL_FILE) == "llama"
-    runtime = load_runtime(gguf_dir / file_type, threads=1)
+    runtime = load_runtime(gguf_dir / file_type, TargetConfig(threads=1))
     ids = baseline_runtime.encode(TEXT)[:128]
     (quantized,), (fp32,) = runtime.score([ids]), baseline_runtime.score([ids])
     assert quantized[1] == fp32[1] and math.isfinite(quantized[0])
@@ -115,7 +116,7 @@ def test_a_shipped_gguf_is_the_peer_row_and_copied_unchanged(tiny_base, gguf_dir
     assert recipe.peer
     build_variant("peer", recipe, base, "d", tmp_path / "peer")
     assert (tmp_path / "peer" / MODEL_FILE).read_bytes() == (source / "tiny.F16.gguf").read_bytes()
-    assert load_runtime(tmp_path / "peer", threads=1).score([[5, 6, 7]])[0][1] == 2
+    assert load_runtime(tmp_path / "peer", TargetConfig(threads=1)).score([[5, 6, 7]])[0][1] == 2
 
 
 def _architecture(path) -> str:
@@ -133,7 +134,7 @@ def test_every_llama_cpp_computation_runs_on_one_thread_whoever_calls(tiny_engin
 
     from tasks.engines.llama_cpp.runtime import llama_cpp_module
 
-    runtime = load_runtime(tiny_engine_dir("llama.cpp"), threads=1)
+    runtime = load_runtime(tiny_engine_dir("llama.cpp"), TargetConfig(threads=1))
     lib, threads = llama_cpp_module(), []
     decode = lib.llama_decode
 

@@ -10,6 +10,7 @@ import torch
 
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
+from tasks.config import TargetConfig
 from tasks.engines.onnx.export import weight_bits
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
@@ -412,7 +413,7 @@ def test_the_export_holds_exactly_the_planned_integers_and_scales_and_runs_on_th
     ids = tokenizer(" ".join(synthetic_sentences(30, seed=77)))["input_ids"][:96]
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
-    ((total, count),) = load_runtime(folder, threads=1).score([ids])
+    ((total, count),) = load_runtime(folder, TargetConfig(threads=1)).score([ids])
     # accuracy_level 0: ONNX Runtime multiplies in float32 as torch does, so the two differ only in summation
     # order (2.6e-7 at most on this model, measured with torch on three instruction sets). 1e-5 is ~100 float32
     # epsilons; int8 activations (accuracy_level 4) moved the loss 2e-4 to 2.2e-3, other weights more still
@@ -483,7 +484,7 @@ def test_a_tied_int8_lm_head_shares_its_table_with_the_embedding_lookup(planted_
 def _loss(folder: Path, text: str) -> float:
     from tasks.engines import load_runtime
 
-    runtime = load_runtime(folder, threads=1)
+    runtime = load_runtime(folder, TargetConfig(threads=1))
     ids = runtime.encode(text)
     scored = runtime.score([ids[i : i + 128] for i in range(0, min(len(ids), 1024) - 8, 128)])
     return sum(total for total, _ in scored) / sum(count for _, count in scored)
@@ -493,7 +494,7 @@ def _held_out_loss(folder: Path) -> float:
     """Mean next-token loss of the exported model (ONNX Runtime GenAI) on text neither split had."""
     from tasks.engines import load_runtime
 
-    runtime = load_runtime(folder, threads=1)
+    runtime = load_runtime(folder, TargetConfig(threads=1))
     ids = runtime.encode(" ".join(synthetic_sentences(60, seed=77)))
     scored = runtime.score([ids[i : i + 128] for i in range(0, 512, 128)])
     return sum(total for total, _ in scored) / sum(count for _, count in scored)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.onnx.runtime import FLOAT_PROMPT_TOKENS, OrtBatchDecoder, _int8_activations
 from tasks.inputs.load import PreparedBase
@@ -21,7 +22,7 @@ INT4 = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32}}]}  # a
 def int4_runtime(trained_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("onnx-int4") / "onnx_int4"
     build_variant("onnx_int4", VariantConfig.model_validate(INT4), trained_base, "d", folder)
-    return load_runtime(folder, threads=1)
+    return load_runtime(folder, TargetConfig(threads=1))
 
 
 def sessions_used(decoder: OrtBatchDecoder) -> list[str]:
@@ -94,5 +95,5 @@ def test_a_float_prompt_gives_the_graphs_logits_to_int8_rounding_and_the_same_an
 
 def test_a_graph_with_float_activations_keeps_one_session(tiny_engine_dir):
     """The fp32 export has no MatMulNBits: nothing to run differently, no second copy of the weights."""
-    decoder = load_runtime(tiny_engine_dir("onnxruntime-genai"), threads=1).batch_decoder()
+    decoder = load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1)).batch_decoder()
     assert decoder._prompt_session is decoder._session

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tasks.config import RuntimeSettings
+from tasks.config import RuntimeSettings, TargetConfig
 from tasks.errors import TargetError
 from tasks.measure.benchmark import decode_read_bytes, weight_bytes
 from tasks.params import Config
@@ -41,7 +41,9 @@ def save_quantized(done: Quantized, dest) -> None:
 
 def load_quantized(folder, name: str, device: str = "cpu"):
     """Load it back with the format's own loader, as the torch engine does."""
-    return weights_format(name, folder).load(folder, "float32", RuntimeSettings(), device, 1)
+    return weights_format(name, folder).load(
+        folder, "float32", RuntimeSettings(), TargetConfig(device=device)
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)

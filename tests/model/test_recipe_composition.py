@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import BuildError, ConfigError
@@ -63,7 +64,9 @@ def test_pruned_model_exports_to_onnx_and_gguf_and_scores_like_its_torch_twin(ba
         build_variant(
             name, VariantConfig.model_validate({"steps": steps}), base, "d", tmp_path / name, calibration
         )
-    torch_runtime, onnx_runtime, gguf_runtime = (load_runtime(tmp_path / n, threads=1) for n in recipes)
+    torch_runtime, onnx_runtime, gguf_runtime = (
+        load_runtime(tmp_path / n, TargetConfig(threads=1)) for n in recipes
+    )
     ids = torch_runtime.encode("The river walks the stone near the garden")
     assert (onnx_runtime.manifest.engine, gguf_runtime.manifest.engine) == ("onnxruntime-genai", "llama.cpp")
     assert onnx_runtime.score([ids])[0][0] == pytest.approx(torch_runtime.score([ids])[0][0], rel=1e-4)
@@ -76,7 +79,7 @@ def test_float_steps_then_int8_build_reload_and_generate(base, tmp_path, recipe,
     manifest = build_variant(
         "v", VariantConfig.model_validate(recipe), base, "d", tmp_path / "v", calibration
     )
-    runtime = load_runtime(tmp_path / "v", threads=1)
+    runtime = load_runtime(tmp_path / "v", TargetConfig(threads=1))
     assert manifest.weights_format == "torch-dynamic-int8"
     assert runtime.model.config.num_hidden_layers == layers
     full = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(base.path).parameters())
@@ -91,7 +94,7 @@ def test_float_steps_then_int8_build_reload_and_generate(base, tmp_path, recipe,
 def test_pruned_model_has_the_shapes_its_config_promises(base, tmp_path):
     recipe = {"steps": [{"prune": {"method": "structured", "mlp_fraction": 0.5, "importance": "magnitude"}}]}
     build_variant("p", VariantConfig.model_validate(recipe), base, "d", tmp_path / "p")
-    model = load_runtime(tmp_path / "p", threads=1).model
+    model = load_runtime(tmp_path / "p", TargetConfig(threads=1)).model
     assert model.config.intermediate_size == 64
     assert all(layer.mlp.up_proj.weight.shape == (64, 64) for layer in model.model.layers)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.pytorch.runtime import generation_options, kv_cache_bytes
 from tasks.inputs.load import PreparedBase
@@ -33,7 +34,7 @@ def runtimes(tiny_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory) 
     root = tmp_path_factory.mktemp("runtime-settings")
     for name, runtime in SETTINGS.items():
         build_variant(name, VariantConfig.model_validate({"runtime": runtime}), base, "d", root / name)
-    return {name: load_runtime(root / name, threads=1) for name in SETTINGS}
+    return {name: load_runtime(root / name, TargetConfig(threads=1)) for name in SETTINGS}
 
 
 def logits(runtime, ids: list[int]) -> torch.Tensor:

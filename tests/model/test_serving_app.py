@@ -12,7 +12,7 @@ import pytest
 
 from serving.app import create_app
 from serving.models import Limits, LoadedModel, ModelRouter, ServedModel
-from tasks.config import ServeConfig
+from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tests.factories import TINY_ENGINE_RECIPES
 
@@ -22,7 +22,7 @@ PROMPT = "Near the river 12, the stone walks the garden."
 
 @pytest.fixture(scope="module", params=sorted(RECIPES))
 def runtime(request, tiny_engine_dir) -> Runtime:
-    return load_runtime(tiny_engine_dir(request.param), threads=1)
+    return load_runtime(tiny_engine_dir(request.param), TargetConfig(threads=1))
 
 
 def serve_runtime(runtime: Runtime, name: str, version: str, settings: ServeConfig) -> ServedModel:

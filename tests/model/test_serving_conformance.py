@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tasks.config import ServeConfig
+from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.params import VariantConfig
 from tasks.techniques.optimize import build_variant
@@ -20,7 +20,7 @@ from tests.model.test_serving_app import PROMPT, live_server
 def runtime(tiny_base, tmp_path_factory) -> Runtime:
     folder = tmp_path_factory.mktemp("conformance") / "torch"
     build_variant("torch", VariantConfig.model_validate({}), tiny_base, "d", folder)
-    return load_runtime(folder, threads=1)
+    return load_runtime(folder, TargetConfig(threads=1))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tasks.config import ServeConfig
+from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tests.model.test_serving_app import PROMPT, live_server
 
@@ -17,17 +17,17 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def onnx_runtime(tiny_engine_dir) -> Runtime:
-    return load_runtime(tiny_engine_dir("onnxruntime-genai"), threads=1)
+    return load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1))
 
 
 @pytest.fixture(scope="module")
 def llama_runtime(tiny_engine_dir) -> Runtime:
-    return load_runtime(tiny_engine_dir("llama.cpp"), threads=1)
+    return load_runtime(tiny_engine_dir("llama.cpp"), TargetConfig(threads=1))
 
 
 @pytest.fixture(scope="module")
 def runtime_torch(baseline_dir) -> Runtime:
-    return load_runtime(baseline_dir, threads=1)
+    return load_runtime(baseline_dir, TargetConfig(threads=1))
 
 
 class GatedRuntime:

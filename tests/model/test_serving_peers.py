@@ -8,14 +8,14 @@ import pytest
 
 from serving.loadtest import LoadRequest
 from serving.peers import Server, compare, first_model, parse_peer
-from tasks.config import ServeConfig
+from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import load_runtime
 from tests.model.test_serving_app import live_server
 
 
 @pytest.fixture(scope="module")
 def onnx_runtime(tiny_engine_dir):
-    return load_runtime(tiny_engine_dir("onnxruntime-genai"), threads=1)
+    return load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1))
 
 
 def test_peers_get_the_same_requests_each_round_its_own_and_ratios_are_per_repeat(onnx_runtime):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import SpeculativeSettings
+from tasks.config import SpeculativeSettings, TargetConfig
 from tasks.decide.select import Leaderboard, LeaderboardRow, VariantScore
 from tasks.engines import load_runtime
 from tasks.engines.speculative import DRAFT_FOLDER, Speculation
@@ -39,7 +39,7 @@ def speculative_and_plain(runtime, settings: SpeculativeSettings, prompts, new_t
 
 @pytest.mark.parametrize("name", EXACT)
 def test_greedy_speculation_gives_the_engines_own_greedy_tokens(trained_variants, name):
-    runtime = load_runtime(trained_variants[name], threads=1)
+    runtime = load_runtime(trained_variants[name], TargetConfig(threads=1))
     prompts = [runtime.encode(REPEATING), runtime.encode(FRESH)]
     spoken, plain, stats = speculative_and_plain(
         runtime, SpeculativeSettings(method="ngram", tokens=4, ngram_size=2), prompts, 96
@@ -51,8 +51,8 @@ def test_greedy_speculation_gives_the_engines_own_greedy_tokens(trained_variants
 def test_a_draft_model_in_another_engine_proposes_and_the_target_decides(trained_variants):
     """The trained model's llama.cpp Q8_0 twin proposes for the fp32 torch model: it is mostly right, and the
     output is the fp32 model's."""
-    target = load_runtime(trained_variants["baseline"], threads=1)
-    draft = load_runtime(trained_variants["llama_q8_0"], threads=1)
+    target = load_runtime(trained_variants["baseline"], TargetConfig(threads=1))
+    draft = load_runtime(trained_variants["llama_q8_0"], TargetConfig(threads=1))
     prompts = [target.encode(FRESH), target.encode(REPEATING)]
     settings = SpeculativeSettings(method="draft", tokens=4, draft="llama_q8_0")
     target.speculation = Speculation(settings, draft)
@@ -66,7 +66,7 @@ def test_a_draft_model_in_another_engine_proposes_and_the_target_decides(trained
 def test_onnx_int4_verify_is_measured_not_assumed(trained_variants):
     """ONNX Runtime's int4 kernels differ between one new token and several: the benchmark's measurement reports
     how many tokens equal plain decoding's instead of assuming all do."""
-    runtime = load_runtime(trained_variants["onnx_int4"], threads=1)
+    runtime = load_runtime(trained_variants["onnx_int4"], TargetConfig(threads=1))
     runtime.speculation = Speculation(SpeculativeSettings(method="ngram", tokens=3))
     styles = measure_speculation(runtime, runtime.encode(REPEATING), 48, 24, warmup=0, repeats=3)
     assert [s.style for s in styles] == ["continue", "copy"]
@@ -102,15 +102,18 @@ def test_a_speculative_variant_links_its_twins_bytes_and_carries_its_draft(tiny_
     assert lookup.content_hash != drafted.content_hash  # the draft's files are part of the variant
     assert "speculative decoding" in lookup.notes[-1] and "draft variant llama" in drafted.notes[-1]
 
-    plain = load_runtime(variants / "baseline", threads=1)
+    plain = load_runtime(variants / "baseline", TargetConfig(threads=1))
     prompt = plain.encode(REPEATING)
     expected = plain.generate([prompt], 40, stop_at_eos=False)[0]
     for name in ("lookup", "drafted"):
-        runtime = load_runtime(variants / name, threads=1)
+        runtime = load_runtime(variants / name, TargetConfig(threads=1))
         assert runtime.speculation is not None
         assert runtime.generate([prompt], 40, stop_at_eos=False)[0] == expected
         assert runtime.speculation.stats.calls > 0
-    assert load_runtime(variants / "drafted", threads=1).speculation.draft.manifest.engine == "llama.cpp"
+    assert (
+        load_runtime(variants / "drafted", TargetConfig(threads=1)).speculation.draft.manifest.engine
+        == "llama.cpp"
+    )
     # registered, it names the draft's engine among its requirements (a torch model with a llama.cpp draft)
     from tasks.decide.model_registry import model_requirements
 
@@ -129,7 +132,7 @@ def test_a_speculative_variant_links_its_twins_bytes_and_carries_its_draft(tiny_
 def test_the_leaderboard_shows_speculation_by_prompt_style(trained_variants):
     from dataclasses import replace
 
-    runtime = load_runtime(trained_variants["baseline"], threads=1)
+    runtime = load_runtime(trained_variants["baseline"], TargetConfig(threads=1))
     runtime.speculation = Speculation(SpeculativeSettings(method="ngram", tokens=2))
     styles = measure_speculation(runtime, runtime.encode(REPEATING), 32, 8, warmup=0, repeats=1)
     assert all(s.agreement == 1.0 for s in styles)  # torch on the CPU verifies exactly
@@ -162,7 +165,7 @@ def test_runs_to_length_bar_the_end_of_sequence_as_plain_decoding_does(trained_v
     """torch's `min_new_tokens` and ONNX Runtime GenAI's `min_length` bar the EOS ids when a benchmark runs to
     length; speculation bars the same ids (llama.cpp's plain loop bars none)."""
     for name, barred in (("baseline", True), ("onnx_fp32", True), ("llama_q8_0", False)):
-        runtime = load_runtime(trained_variants[name], threads=1)
+        runtime = load_runtime(trained_variants[name], TargetConfig(threads=1))
         assert runtime.suppressed_at_length(True) == frozenset()
         assert (runtime.eos_token_id in runtime.suppressed_at_length(False)) is barred
 
@@ -196,7 +199,7 @@ def serve_alone(
 def test_the_server_speculates_while_one_greedy_request_runs(trained_variants, name):
     from serving.sampling import Sampling
 
-    runtime = load_runtime(trained_variants[name], threads=1)
+    runtime = load_runtime(trained_variants[name], TargetConfig(threads=1))
     prompt = runtime.encode(REPEATING)
     expected = runtime.generate([prompt], 48, stop_at_eos=False)[0]
     plain_tokens, _, plain_calls = serve_alone(runtime, prompt, 48)

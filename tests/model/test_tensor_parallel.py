@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.errors import TargetError
 
@@ -16,8 +17,8 @@ PROMPTS = [[1, 5, 9, 13, 2, 40, 41], [7, 7, 3, 20, 21, 22, 23]]
 
 
 def test_a_model_split_over_two_ranks_answers_as_the_whole_model(baseline_dir: Path):
-    whole = load_runtime(baseline_dir, threads=1)
-    split = load_runtime(baseline_dir, threads=1, tensor_parallel=2)
+    whole = load_runtime(baseline_dir, TargetConfig(threads=1))
+    split = load_runtime(baseline_dir, TargetConfig(threads=1, tensor_parallel=2))
     try:
         weight = split.model.model.layers[0].mlp.gate_proj.weight
         assert type(weight).__name__ == "DTensor"  # really sharded, not a copy per rank
@@ -45,7 +46,7 @@ def test_tensor_parallelism_is_the_torch_engines_and_splits_float_weights_only(t
     recipe = {"steps": [{"quantize": {"method": "torchao_int8_weight_only"}}]}
     build_variant("int8", VariantConfig.model_validate(recipe), tiny_base, "d", tmp_path / "int8")
     with pytest.raises(TargetError, match="splits float weights, not hf-quantized ones"):
-        load_runtime(tmp_path / "int8", threads=1, tensor_parallel=2)
+        load_runtime(tmp_path / "int8", TargetConfig(threads=1, tensor_parallel=2))
 
 
 def test_the_benchmark_measures_a_split_model_in_its_fresh_process(baseline_dir: Path):
@@ -55,5 +56,7 @@ def test_the_benchmark_measures_a_split_model_in_its_fresh_process(baseline_dir:
     cfg = BenchmarkConfig(
         prompt_tokens=8, new_tokens=4, batch_sizes=[1], ttft_prompt_tokens=[8], requests=1, repeats=1
     )
-    result = benchmark_in_fresh_process(baseline_dir, cfg, "river stone garden " * 4, 1, "cpu", 2)
+    result = benchmark_in_fresh_process(
+        baseline_dir, cfg, "river stone garden " * 4, TargetConfig(threads=1, tensor_parallel=2)
+    )
     assert result.decode_tok_s > 0 and result.latency_ms["p50"] > 0

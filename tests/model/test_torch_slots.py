@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.config import ServeConfig
+from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.pytorch.runtime import TorchBatchDecoder
 from tasks.engines.pytorch.slots import SlotBatchDecoder, steps_in_slots
@@ -27,7 +27,7 @@ def bf16_runtime(trained_base, tmp_path_factory):
     build_variant(
         "bf16", VariantConfig.model_validate({"runtime": {"dtype": "bfloat16"}}), trained_base, "d", folder
     )
-    return load_runtime(folder, threads=1)
+    return load_runtime(folder, TargetConfig(threads=1))
 
 
 @pytest.fixture(params=["packed", "plain"])

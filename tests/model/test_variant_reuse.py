@@ -11,6 +11,7 @@ import pytest
 import tasks.local_files
 from flows.cluster import Stored, Workspace
 from flows.stages import Inputs, optimize_task
+from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.inputs.data import write_splits
 from tasks.inputs.load import PreparedBase
@@ -39,7 +40,7 @@ def test_the_run_s_optimize_stage_rebuilds_a_variant_damaged_keeping_its_size_an
     built = optimize_task.fn("bf16", BF16, inputs, space)
     folder = tmp_path / "work" / "variants" / "bf16"
     weights = folder / "model.safetensors"
-    runtime = load_runtime(folder, threads=1)
+    runtime = load_runtime(folder, TargetConfig(threads=1))
     ids = runtime.encode("The river walks the stone near the garden")
     scores = runtime.score([ids])
     before = weights.stat()
@@ -63,4 +64,4 @@ def test_the_run_s_optimize_stage_rebuilds_a_variant_damaged_keeping_its_size_an
     assert rebuilt.manifest.content_hash == built.manifest.content_hash
     assert folder_sha256(folder, exclude=("manifest.json",)) == built.manifest.content_hash
     assert file_sha256(weights) == built.manifest.files["model.safetensors"]
-    assert load_runtime(folder, threads=1).score([ids]) == scores
+    assert load_runtime(folder, TargetConfig(threads=1)).score([ids]) == scores

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.config import EvaluateConfig
+from tasks.config import EvaluateConfig, TargetConfig
 from tasks.engines import load_runtime
 from tasks.engines.manifest import read_manifest
 from tasks.errors import DataValidationError
@@ -33,8 +33,8 @@ def variants(trained_variants: dict[str, Path]) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_variant_reloads_with_the_same_tokenizer_generates_and_scores_every_token(variants, name):
-    reference = load_runtime(variants["baseline"], threads=1)
-    runtime = load_runtime(variants[name], threads=1)
+    reference = load_runtime(variants["baseline"], TargetConfig(threads=1))
+    runtime = load_runtime(variants[name], TargetConfig(threads=1))
     ids = runtime.encode(PROMPT)
     assert ids == reference.encode(PROMPT)
     (generated,) = runtime.generate([ids], max_new_tokens=5, stop_at_eos=False)
@@ -47,7 +47,9 @@ def test_variant_reloads_with_the_same_tokenizer_generates_and_scores_every_toke
 
 
 def test_onnx_fp32_generates_exactly_what_torch_fp32_generates(variants):
-    torch_runtime, onnx_runtime = (load_runtime(variants[n], threads=1) for n in ("baseline", "onnx_fp32"))
+    torch_runtime, onnx_runtime = (
+        load_runtime(variants[n], TargetConfig(threads=1)) for n in ("baseline", "onnx_fp32")
+    )
     prompt = torch_runtime.encode(PROMPT)
     assert onnx_runtime.manifest.engine == "onnxruntime-genai"
     assert onnx_runtime.generate([prompt], 12, stop_at_eos=False) == torch_runtime.generate(
@@ -57,7 +59,7 @@ def test_onnx_fp32_generates_exactly_what_torch_fp32_generates(variants):
 
 @pytest.mark.parametrize("name", ["baseline", "torch_dynamic_int8", "onnx_int8"])
 def test_batched_generation_gives_each_prompt_its_own_continuation_in_order(variants, name):
-    runtime = load_runtime(variants[name], threads=1)
+    runtime = load_runtime(variants[name], TargetConfig(threads=1))
     first, second = runtime.encode("The river walks the stone near the garden"), runtime.encode(PROMPT)
     prompts = [first, second, first, second[:-1], second]
     one_by_one = [runtime.generate([p], 6, stop_at_eos=False)[0] for p in prompts]
@@ -72,11 +74,11 @@ def test_agreement_is_total_for_the_same_graph_and_reported_for_every_variant(va
     cfg = EvaluateConfig(
         window=16, max_tokens=64, agreement_prompts=3, agreement_prompt_tokens=8, agreement_new_tokens=6
     )
-    baseline = evaluate_variant(load_runtime(variants["baseline"], threads=1), texts, cfg, None)
+    baseline = evaluate_variant(load_runtime(variants["baseline"], TargetConfig(threads=1)), texts, cfg, None)
     assert baseline.agreement.token_agreement == 1.0 and baseline.agreement.prompts == 3
     assert len(baseline.cloze.correct) == 3
     onnx = evaluate_variant(
-        load_runtime(variants["onnx_fp32"], threads=1), texts, cfg, baseline.continuations
+        load_runtime(variants["onnx_fp32"], TargetConfig(threads=1)), texts, cfg, baseline.continuations
     )
     assert onnx.agreement.exact_match == 1.0
     assert onnx.cloze.correct == baseline.cloze.correct
@@ -86,7 +88,10 @@ def test_evaluation_text_without_cloze_items_is_refused(variants):
     cfg = EvaluateConfig(window=16, max_tokens=64, agreement_prompts=1, agreement_new_tokens=2)
     with pytest.raises(DataValidationError, match="no cloze items"):
         evaluate_variant(
-            load_runtime(variants["baseline"], threads=1), ["numbers only 1 2 3 4 5 6 7 8 9."], cfg, None
+            load_runtime(variants["baseline"], TargetConfig(threads=1)),
+            ["numbers only 1 2 3 4 5 6 7 8 9."],
+            cfg,
+            None,
         )
 
 
@@ -109,7 +114,7 @@ def test_unchanged_variant_is_reused_and_a_corrupted_one_rebuilt(tiny_base, tmp_
     weights.write_bytes(b"corrupted")
     rebuilt = build_variant("bf16", recipe, tiny_base, "data-hash", folder)
     assert folder_sha256(folder, exclude=("manifest.json",)) == rebuilt.content_hash
-    assert load_runtime(folder, threads=1).score([[1, 2, 3]])[0][1] == 2
+    assert load_runtime(folder, TargetConfig(threads=1)).score([[1, 2, 3]])[0][1] == 2
 
 
 def test_a_variant_damaged_after_its_build_is_refused_naming_the_file_and_both_hashes(tiny_base, tmp_path):
@@ -119,13 +124,13 @@ def test_a_variant_damaged_after_its_build_is_refused_naming_the_file_and_both_h
 
     folder = tmp_path / "bf16"
     build_variant("bf16", VariantConfig.model_validate(CLAIMS["bf16"].recipe), tiny_base, "data-hash", folder)
-    load_runtime(folder, threads=1)
+    load_runtime(folder, TargetConfig(threads=1))
     weights = folder / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2 : len(data) // 2 + 4096] = bytes(4096)  # same size: only the content hash can tell
     weights.write_bytes(bytes(data))
     with pytest.raises(ArtifactError) as refused:
-        load_runtime(folder, threads=1)
+        load_runtime(folder, TargetConfig(threads=1))
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"{folder}: model.safetensors hashes to ")
     assert re.search(
@@ -135,7 +140,7 @@ def test_a_variant_damaged_after_its_build_is_refused_naming_the_file_and_both_h
 
 def test_uniform_model_has_perplexity_equal_to_vocabulary_size(variants, tmp_path):
     """With zero logits every next token has probability 1/V, so perplexity must be exactly V."""
-    runtime = load_runtime(variants["baseline"], threads=1)
+    runtime = load_runtime(variants["baseline"], TargetConfig(threads=1))
     with torch.no_grad():
         runtime.model.lm_head.weight.zero_()  # tied: the embeddings become zero too, logits are all zero
     vocab = runtime.model.config.vocab_size

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import TargetConfig
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, next_token_nll, shared_start
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.registry import register_engine
@@ -104,13 +105,13 @@ class LlamaCppRuntime(Runtime):
     ENGINE = ENGINE
     LIBRARIES = ("llama-cpp-python",)
 
-    def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
+    def __init__(self, folder: Path, manifest: VariantManifest, target: TargetConfig) -> None:
         from transformers import AutoTokenizer
 
         self.manifest = manifest
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self._model = GgufModel(folder / MODEL_FILE)
-        self._threads = threads
+        self._threads = target.threads
         self.context_length = self._model.n_ctx_train
         self._context: _Context | None = None
 

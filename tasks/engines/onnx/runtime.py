@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.config import TargetConfig
 from tasks.engines.contract import (
     BatchDecoder,
     RetainedPrefixes,
@@ -37,7 +38,7 @@ class OrtGenAIRuntime(Runtime):
     ENGINE = ENGINE
     LIBRARIES = ("onnxruntime-genai",)
 
-    def __init__(self, folder: Path, manifest: VariantManifest, threads: int, device: str = "cpu") -> None:
+    def __init__(self, folder: Path, manifest: VariantManifest, target: TargetConfig) -> None:
         import onnxruntime_genai as og
         from transformers import AutoTokenizer
 
@@ -45,7 +46,7 @@ class OrtGenAIRuntime(Runtime):
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         config = og.Config(str(folder))
         config.overlay(
-            json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}})
+            json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": target.threads}}}})
         )
         try:
             self.model = og.Model(config)
@@ -54,7 +55,7 @@ class OrtGenAIRuntime(Runtime):
                 f"{folder}: ONNX Runtime cannot load this model: {engine_says(exc)}"
             ) from exc
         self._og = og
-        self._folder, self._threads = folder, threads
+        self._folder, self._threads = folder, target.threads
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][
             "context_length"
         ]

@@ -7,7 +7,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from tasks.config import RuntimeSettings
+from tasks.config import RuntimeSettings, TargetConfig
 from tasks.engines.contract import BatchDecoder, Runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.registry import register_engine
@@ -30,30 +30,24 @@ class TorchRuntime(Runtime):
 
     DEVICES = ("cpu", "cuda")
 
-    def __init__(
-        self,
-        folder: Path,
-        manifest: VariantManifest,
-        threads: int,
-        device: str = "cpu",
-        tensor_parallel: int = 1,
-    ) -> None:
-        """`tensor_parallel` > 1: this process is one rank of a split model (tasks/engines/pytorch/tensor_parallel.py)."""
+    def __init__(self, folder: Path, manifest: VariantManifest, target: TargetConfig) -> None:
+        """`target.tensor_parallel` > 1: this process is one rank of a split model, on `target.device`
+        (tasks/engines/pytorch/tensor_parallel.py)."""
         import torch
         from transformers import AutoTokenizer
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(target.threads)
         self.manifest = manifest
         settings = manifest.runtime_settings()
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         stored = weights_format(manifest.weights_format, folder)
-        if tensor_parallel > 1 and not stored.splits:
+        if target.tensor_parallel > 1 and not stored.splits:
             raise TargetError(f"tensor parallelism splits float weights, not {manifest.weights_format} ones")
         try:
-            self.model = stored.load(folder, manifest.dtype, settings, device, tensor_parallel)
+            self.model = stored.load(folder, manifest.dtype, settings, target)
         except (OSError, RuntimeError, ValueError) as exc:
             raise ArtifactError(f"{folder}: cannot load weights ({str(exc).splitlines()[0]})") from exc
-        self.device = torch.device(device)
+        self.device = torch.device(target.device)
         self.model.eval()
         self.context_length = self.model.config.max_position_embeddings
         if settings.wrapper == "deepspeed":

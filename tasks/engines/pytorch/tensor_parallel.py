@@ -23,6 +23,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from tasks.config import TargetConfig
 from tasks.engines.contract import BatchDecoder
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.pytorch.runtime import TorchRuntime
@@ -35,10 +36,10 @@ CLOSE = "close"  # the call that ends a worker rank
 class TensorParallelRuntime(TorchRuntime):
     """The torch engine over `ranks` processes; this object is rank 0 and forwards every call to the others."""
 
-    def __init__(
-        self, folder: Path, manifest: VariantManifest, threads: int, device: str, ranks: int
-    ) -> None:
+    def __init__(self, folder: Path, manifest: VariantManifest, target: TargetConfig) -> None:
         import torch.distributed as dist
+
+        ranks = target.tensor_parallel
 
         if dist.is_initialized():
             raise EngineError(
@@ -53,7 +54,7 @@ class TensorParallelRuntime(TorchRuntime):
         self._workers = [
             spawn.Process(
                 target=_serve_rank,
-                args=(rank, ranks, address, str(folder), manifest, threads, device),
+                args=(rank, address, str(folder), manifest, target),
                 daemon=True,
             )
             for rank in range(1, ranks)
@@ -62,8 +63,8 @@ class TensorParallelRuntime(TorchRuntime):
             worker.start()
         self._closer = weakref.finalize(self, _stop, self._workers)
         try:
-            _join_group(0, ranks, address, device)
-            super().__init__(folder, manifest, threads, _rank_device(device, 0), tensor_parallel=ranks)
+            _join_group(0, ranks, address, target.device)
+            super().__init__(folder, manifest, _on_rank(target, 0))
         except BaseException:
             self._closer()
             raise
@@ -133,8 +134,13 @@ def _local_call(runtime: TorchRuntime, decoders: dict[int, Any], name: str, args
     return getattr(decoders[number], method)(*rest)
 
 
+def _on_rank(target: TargetConfig, rank: int) -> TargetConfig:
+    """The target as one rank sees it: its own GPU on a cuda target."""
+    return target.model_copy(update={"device": _rank_device(target.device, rank)})
+
+
 def _serve_rank(
-    rank: int, ranks: int, address: str, folder: str, manifest: VariantManifest, threads: int, device: str
+    rank: int, address: str, folder: str, manifest: VariantManifest, target: TargetConfig
 ) -> None:
     """A worker rank: load its shard, then run every call rank 0 broadcasts until it says close."""
     import torch.distributed as dist
@@ -142,8 +148,8 @@ def _serve_rank(
     from tasks.quiet import quiet_libraries
 
     quiet_libraries()
-    _join_group(rank, ranks, address, device)
-    runtime = TorchRuntime(Path(folder), manifest, threads, _rank_device(device, rank), tensor_parallel=ranks)
+    _join_group(rank, target.tensor_parallel, address, target.device)
+    runtime = TorchRuntime(Path(folder), manifest, _on_rank(target, rank))
     decoders: dict[int, Any] = {}
     while True:
         call: list[Any] = [None]
