@@ -42,7 +42,7 @@ from tasks.report.leaderboard_files import write_reports
 from tasks.report.timeline import Span, check_benchmarks_clean, timed
 from tasks.report.timings import StageClock
 from tasks.report.tracking import ParentRun, log_failed_variant_run, log_reports, log_variant_run
-from tasks.techniques.optimize import build_order, build_variant
+from tasks.techniques.build import build_order, build_variant
 
 
 def workdir(config: Config, root: Path) -> Path:
@@ -87,8 +87,8 @@ class Evaluated:
     span: Span
 
 
-@task(name="optimize", task_run_name="optimize-{name}", cache_policy=NO_CACHE)
-def optimize_task(
+@task(name="build", task_run_name="build-{name}", cache_policy=NO_CACHE)
+def build_task(
     name: str,
     variant: VariantConfig,
     inputs: Inputs,
@@ -269,7 +269,7 @@ def measure_variants(
             draft_name = variant.runtime.speculative.draft if variant.runtime.speculative else None
             draft = (draft_name, config.variants[draft_name]) if draft_name else None
             before = [builds[other] for other in waits_for]
-            builds[name] = optimize_task.submit(name, variant, inputs, space, draft, wait_for=before)
+            builds[name] = build_task.submit(name, variant, inputs, space, draft, wait_for=before)
         evaluations = {}
         for name in order:
             reference = evaluations.get(order[0])  # a future: each evaluation waits for the baseline's

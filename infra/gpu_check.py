@@ -251,7 +251,7 @@ def _measure(
     from tasks.engines import load_runtime
     from tasks.measure.benchmark import benchmark_variant, memory_read_bandwidth_gbs, roofline_fraction
     from tasks.params import VariantConfig
-    from tasks.techniques.optimize import build_variant
+    from tasks.techniques.build import build_variant
 
     started = time.perf_counter()
     folder = scratch / check.technique

@@ -6,7 +6,7 @@ importance matrix (mean x²) and structured pruning's activation importance (mea
 different statistic. (optimum-quanto's `Calibration()` keeps its own hooks: it records into quanto's modules.)
 Modules that read the same input (a layer's q/k/v, gate/up) compute each statistic of it once.
 
-Captures are content-addressed: inside `statistics_cache(folder)` (the optimize stage opens one in the workdir)
+Captures are content-addressed: inside `statistics_cache(folder)` (the build opens one in the workdir)
 a capture whose model weights, modules, windows and statistics are those of an earlier one is read back from
 `folder` instead of run again, across variants (GPTQ's Hessians of the two int4 exports, the importance matrix of
 the two llama.cpp files) and runs. Any changed weight, window or statistic gives another key. `cached_tensors`

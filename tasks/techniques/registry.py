@@ -59,7 +59,7 @@ class ExportJob:
 
     base_path: Path  # the prepared base model folder
     dest: Path  # the staging folder the variant is written into (the runner saves the tokenizer afterwards)
-    context: Any  # tasks.techniques.optimize.BuildContext
+    context: Any  # tasks.techniques.build.BuildContext
     changed: bool  # earlier steps changed the float model (so the base folder is not what to export)
 
 

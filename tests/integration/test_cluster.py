@@ -158,7 +158,7 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
     workers = [s for s in configured_services(config, root) if s.name.startswith("dask-worker")]
     for name, value in {**project_env(root), **env}.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("LLMOPT_FAILPOINT", "optimize")
+    monkeypatch.setenv("LLMOPT_FAILPOINT", "build")
     monkeypatch.setenv("LLMOPT_FAILPOINT_ONCE", str(marker))
     for worker in workers:  # restarted with the fail point armed
         stop(worker)

@@ -166,7 +166,7 @@ def test_a_run_killed_in_each_stage_in_turn_is_recovered_by_the_next_and_dvc_com
     variants = project / ".llmopt" / "variants"
 
     # -- killed mid-write in optimize: no variant under its name
-    killed_at(project, "optimize")
+    killed_at(project, "build")
     assert any((variants / "baseline.partial").iterdir())  # killed with the weights written, manifest not
     assert not (variants / "baseline").exists()
 

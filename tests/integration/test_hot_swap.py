@@ -30,7 +30,7 @@ def registry_project(tmp_path, tiny_model_dir, corpus_dir):
     from tasks.inputs.load import PreparedBase
     from tasks.local_files import folder_sha256
     from tasks.params import VariantConfig
-    from tasks.techniques.optimize import build_variant
+    from tasks.techniques.build import build_variant
 
     params = tiny_params(tiny_model_dir, corpus_dir, project={"name": MODEL}, serve={"watch_s": 0.2})
     root = make_project(tmp_path / "project", params, with_dvc=False)
@@ -153,7 +153,7 @@ def test_serve_refuses_a_production_version_whose_onnx_graph_parses_wrong_though
     from tasks.inputs.load import PreparedBase
     from tasks.local_files import folder_sha256
     from tasks.params import VariantConfig
-    from tasks.techniques.optimize import build_variant
+    from tasks.techniques.build import build_variant
     from tests.factories import damage_as_hashed
 
     root, client, _ = registry_project

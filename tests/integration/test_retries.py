@@ -35,7 +35,7 @@ def registry(tmp_path, tiny_model_dir):
     from tasks.local_files import folder_sha256
     from tasks.params import VariantConfig
     from tasks.report.tracking import configure_tracking
-    from tasks.techniques.optimize import build_variant
+    from tasks.techniques.build import build_variant
 
     previous = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     experiment_id = configure_tracking(TrackingConfig(), tmp_path)  # sqlite:///<tmp_path>/mlflow.db

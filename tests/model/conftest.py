@@ -13,7 +13,7 @@ from tasks.engines import Runtime, load_runtime
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tests.factories import TINY_ENGINE_RECIPES
 from tests.techniques import CALIBRATION, CLAIMS, FP32_RECIPES, Reference, planted_quantizer
 

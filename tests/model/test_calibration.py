@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tasks.engines.onnx.export import OnnxGenAIStep, _calibrated_int4
 from tasks.params import VariantConfig
+from tasks.techniques.build import BuildContext
 from tasks.techniques.calibration import WINDOW_TOKENS, capture_inputs, mean_square, unit_token_gram
-from tasks.techniques.optimize import BuildContext
 from tasks.techniques.prune import Prune, PruneStep
 from tasks.techniques.quantize.step import Quantize, QuantizeStep
 from tests.factories import synthetic_sentences

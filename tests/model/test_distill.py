@@ -17,8 +17,8 @@ from tasks.engines import load_runtime
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
 from tasks.params import VariantConfig
+from tasks.techniques.build import build_variant
 from tasks.techniques.distill import CHECKPOINT_FILE, DistillSettings, build_student, distill, student_layers
-from tasks.techniques.optimize import build_variant
 from tests.factories import synthetic_sentences
 
 SETTINGS = DistillSettings(

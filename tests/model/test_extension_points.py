@@ -192,7 +192,7 @@ from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
 from tasks.params import VariantConfig
 from tasks.report.tracking import recipe_params
-from tasks.techniques.optimize import _library_versions, build_variant
+from tasks.techniques.build import _library_versions, build_variant
 from tasks.techniques.registry import technique_table
 
 model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -13,7 +13,7 @@ from tasks.engines import load_runtime
 from tasks.engines.llama_cpp.runtime import MODEL_FILE
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tests.factories import synthetic_sentences
 
 TEXT = " ".join(synthetic_sentences(40, seed=3))

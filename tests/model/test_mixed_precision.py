@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flows.cluster import Stored, Workspace
-from flows.stages import Inputs, optimize_task
+from flows.stages import Inputs, build_task
 from tasks.config import TargetConfig
 from tasks.engines.onnx.export import weight_bits
 from tasks.inputs.data import write_splits
@@ -114,9 +114,7 @@ def _build_reading_only_calibration(recipe, planted_base, tmp_path, monkeypatch)
 
     monkeypatch.setattr(mixed_precision, "search", search)
     inputs = Inputs(planted_base, Stored(planted_base.path), data, Stored(tmp_path / "data"))
-    built = optimize_task.fn(
-        "mixed", VariantConfig.model_validate(recipe), inputs, Workspace(tmp_path / "work")
-    )
+    built = build_task.fn("mixed", VariantConfig.model_validate(recipe), inputs, Workspace(tmp_path / "work"))
 
     from transformers import AutoTokenizer
 
@@ -367,7 +365,7 @@ def test_int4_levels_and_scales_pack_into_matmulnbits_bytes_and_back(tmp_path):
 
 
 def _build(planted_base, tmp_path, name, **settings):
-    from tasks.techniques.optimize import build_variant
+    from tasks.techniques.build import build_variant
 
     calibration = [" ".join(synthetic_sentences(40, seed=s)) for s in range(6)]
     recipe = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32, **settings}}]}
@@ -385,9 +383,9 @@ def test_the_export_holds_exactly_the_planned_integers_and_scales_and_runs_on_th
 
     from tasks.engines import load_runtime
     from tasks.engines.onnx.weights import read_int4
+    from tasks.techniques.build import BuildContext
     from tasks.techniques.calibration import WINDOW_TOKENS
     from tasks.techniques.gptq_rounding import round_matrices
-    from tasks.techniques.optimize import BuildContext
 
     folder, manifest, calibration = _build(
         planted_base, tmp_path, "weighted", rounding="gptq", scales="weighted", accuracy_level=0

@@ -13,7 +13,7 @@ from tasks.engines import load_runtime
 from tasks.engines.onnx.runtime import FLOAT_PROMPT_TOKENS, OrtBatchDecoder, _int8_activations
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 
 INT4 = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32}}]}  # accuracy level 4: the default
 

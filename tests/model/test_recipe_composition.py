@@ -15,7 +15,7 @@ from tasks.errors import BuildError, ConfigError
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tests.factories import synthetic_sentences
 
 PRUNE_THEN_INT8 = {

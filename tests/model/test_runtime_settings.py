@@ -11,7 +11,7 @@ from tasks.engines import load_runtime
 from tasks.engines.pytorch.runtime import generation_options, kv_cache_bytes
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 
 SETTINGS = {
     "baseline": {},

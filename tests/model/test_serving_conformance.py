@@ -12,7 +12,7 @@ import pytest
 from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tests.model.test_serving_app import PROMPT, live_server
 
 

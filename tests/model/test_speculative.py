@@ -17,7 +17,7 @@ from tasks.engines import load_runtime
 from tasks.engines.speculative import DRAFT_FOLDER, Speculation
 from tasks.measure.speculation import measure_speculation
 from tasks.params import Config, VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tests.factories import synthetic_sentences
 
 REPEATING = " ".join(synthetic_sentences(3, seed=5) * 3)  # lookup guesses right most of the time

@@ -73,7 +73,7 @@ from tasks.inputs.load import PreparedBase
 from tasks.report.tracking import recipe_params
 from tasks.local_files import folder_sha256
 from tasks.targets import target_problems
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tasks.techniques.registry import technique_table
 
 model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -18,7 +18,7 @@ import pytest
 
 from tasks.engines.manifest import read_manifest
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tests.techniques import (
     CALIBRATION,
     CLAIMS,

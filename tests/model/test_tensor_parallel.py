@@ -41,7 +41,7 @@ def test_a_model_split_over_two_ranks_answers_as_the_whole_model(baseline_dir: P
 
 def test_tensor_parallelism_is_the_torch_engines_and_splits_float_weights_only(tmp_path: Path, tiny_base):
     from tasks.params import VariantConfig
-    from tasks.techniques.optimize import build_variant
+    from tasks.techniques.build import build_variant
 
     recipe = {"steps": [{"quantize": {"method": "torchao_int8_weight_only"}}]}
     build_variant("int8", VariantConfig.model_validate(recipe), tiny_base, "d", tmp_path / "int8")

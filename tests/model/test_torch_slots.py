@@ -12,7 +12,7 @@ from tasks.engines import load_runtime
 from tasks.engines.pytorch.runtime import TorchBatchDecoder
 from tasks.engines.pytorch.slots import SlotBatchDecoder, steps_in_slots
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 
 # Largest |logit difference| / largest |logit| against stepping alone, while the two have chosen the same tokens:
 # bfloat16 keeps 8 bits of mantissa and a batch changes the order of the sums. Measured 0.0075 here (all 60 rows

@@ -10,7 +10,7 @@ import pytest
 
 import tasks.local_files
 from flows.cluster import Stored, Workspace
-from flows.stages import Inputs, optimize_task
+from flows.stages import Inputs, build_task
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
 from tasks.inputs.data import write_splits
@@ -37,14 +37,14 @@ def test_the_run_s_optimize_stage_rebuilds_a_variant_damaged_keeping_its_size_an
     data = write_splits(splits, tmp_path / "data")
     inputs = Inputs(tiny_base, Stored(tiny_base.path), data, Stored(tmp_path / "data"))
     space = Workspace(tmp_path / "work")
-    built = optimize_task.fn("bf16", BF16, inputs, space)
+    built = build_task.fn("bf16", BF16, inputs, space)
     folder = tmp_path / "work" / "variants" / "bf16"
     weights = folder / "model.safetensors"
     runtime = load_runtime(folder, TargetConfig(threads=1))
     ids = runtime.encode("The river walks the stone near the garden")
     scores = runtime.score([ids])
     before = weights.stat()
-    assert optimize_task.fn("bf16", BF16, inputs, space).manifest == built.manifest  # intact: reused ...
+    assert build_task.fn("bf16", BF16, inputs, space).manifest == built.manifest  # intact: reused ...
     assert weights.stat().st_mtime_ns == before.st_mtime_ns  # ... not rewritten
 
     data = bytearray(weights.read_bytes())
@@ -60,7 +60,7 @@ def test_the_run_s_optimize_stage_rebuilds_a_variant_damaged_keeping_its_size_an
     )
     assert file_sha256(weights) != built.manifest.files["model.safetensors"]
 
-    rebuilt = optimize_task.fn("bf16", BF16, inputs, space)
+    rebuilt = build_task.fn("bf16", BF16, inputs, space)
     assert rebuilt.manifest.content_hash == built.manifest.content_hash
     assert folder_sha256(folder, exclude=("manifest.json",)) == built.manifest.content_hash
     assert file_sha256(weights) == built.manifest.files["model.safetensors"]

@@ -16,7 +16,7 @@ from tasks.errors import DataValidationError
 from tasks.local_files import folder_sha256
 from tasks.measure.evaluate import evaluate_perplexity, evaluate_variant
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_variant
+from tasks.techniques.build import build_variant
 from tests.techniques import CLAIMS, FP32_RECIPES
 
 # Recipes that run the fp32 graph in another engine must agree with torch fp32 to float rounding (mean per-token

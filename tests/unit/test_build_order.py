@@ -2,7 +2,7 @@
 and its draft), and only those; the rest as listed, waiting for nothing."""
 
 from tasks.params import VariantConfig
-from tasks.techniques.optimize import build_order
+from tasks.techniques.build import build_order
 
 INT4 = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32}}]}
 Q4 = {"steps": [{"llama_cpp": {"type": "Q4_0"}}]}

@@ -59,7 +59,7 @@ def test_a_staged_file_leaves_the_previous_version_when_writing_fails(tmp_path):
 
 def test_code_keys_follow_modules_by_import_name_wherever_their_files_live():
     from tasks.measure.evaluate import MEASURING_MODULES
-    from tasks.techniques.optimize import BUILDER_MODULES
+    from tasks.techniques.build import BUILDER_MODULES
 
     package = code_sha256(("tasks.engines",))
     assert package != code_sha256(("tasks.engines.contract",))  # a package counts with all its modules

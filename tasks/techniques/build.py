@@ -1,4 +1,4 @@
-"""optimize: the recipe runner. Applies a variant's steps, each through its registered technique
+"""build: the recipe runner. Applies a variant's steps, each through its registered technique
 (tasks/techniques/registry.py), to the base model, and saves the artifact with its manifest."""
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def build_variant(
             )
         if variant.runtime.speculative is not None:
             notes.append(_speculation_note(variant))
-        failpoint("optimize")  # tests: SIGKILL with the variant half written
+        failpoint("build")  # tests: SIGKILL with the variant half written
         files = file_hashes(staging)
         manifest = VariantManifest(
             name=name,
