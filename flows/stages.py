@@ -153,7 +153,7 @@ def benchmark_task(
     """`short`: the variant is outside the accuracy budget, so it gets `BenchmarkConfig.short` (no served
     capacity). `served`: the served-capacity plan (None: not measured, as for the peer row)."""
     folder = space.fetch(stored)  # before the clock: a download is not part of the measurement
-    machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
+    machine = str(machine_fingerprint(config.target)["hash"])
     settings = config.benchmark.short() if short else config.benchmark
     with timed("benchmark", name, machine) as span, progress_bar("benchmark", name):
         result = benchmark_in_fresh_process(folder, settings, prompt_text, config.target, served)
@@ -162,15 +162,15 @@ def benchmark_task(
 
 @task(name="fingerprint", cache_policy=NO_CACHE)
 def fingerprint_task(config: Config) -> dict:
-    return machine_fingerprint(config.target.threads, config.target.device)
+    return machine_fingerprint(config.target)
 
 
 @task(name="bandwidth", cache_policy=NO_CACHE)
 def bandwidth_task(config: Config) -> tuple[float, Span]:
     """The benchmark machine's memory read bandwidth (the roofline for decode speed)."""
-    machine = str(machine_fingerprint(config.target.threads, config.target.device)["hash"])
+    machine = str(machine_fingerprint(config.target)["hash"])
     with timed("bandwidth", "memory", machine) as span:
-        bandwidth = memory_read_bandwidth_gbs(config.target.threads, device=config.target.device)
+        bandwidth = memory_read_bandwidth_gbs(config.target)
     return bandwidth, span[0]
 
 

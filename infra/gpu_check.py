@@ -281,7 +281,7 @@ def _measure(
         repeats=2,
     )
     measured = benchmark_variant(folder, cfg, " ".join(["river stone garden"] * 20), target)
-    bandwidth = memory_read_bandwidth_gbs(os.cpu_count() or 1, megabytes=64 if tiny else 512, device=device)
+    bandwidth = memory_read_bandwidth_gbs(target, megabytes=64 if tiny else 512)
     result = {
         "build_s": round(build_s, 2),
         "ttft_ms": round(measured.ttft_ms, 2),

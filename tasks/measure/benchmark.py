@@ -326,14 +326,14 @@ def median_trial(trials: list[BenchmarkResult]) -> BenchmarkResult:
     return speeds[(len(speeds) - 1) // 2]
 
 
-def memory_read_bandwidth_gbs(
-    threads: int, megabytes: int = 512, trials: int = 10, device: str = "cpu"
-) -> float:
-    """The target's memory bandwidth: on the CPU the best of `trials` sums over a buffer far larger than the
-    caches; on a GPU the best device-to-device copy (bytes read plus written per second, synchronized)."""
+def memory_read_bandwidth_gbs(target: TargetConfig, megabytes: int = 512, trials: int = 10) -> float:
+    """The target's memory bandwidth: on the CPU the best of `trials` sums (with the target's threads) over a
+    buffer far larger than the caches; on a GPU the best device-to-device copy (bytes read plus written per
+    second, synchronized)."""
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(target.threads)
+    device = target.device
     if device.startswith("cuda"):
         source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
         target = torch.empty_like(source)

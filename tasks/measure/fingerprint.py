@@ -11,6 +11,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from tasks.config import TargetConfig
 from tasks.errors import ComparisonError
 
 INTERESTING_FLAGS = (
@@ -26,9 +27,10 @@ INTERESTING_FLAGS = (
 PACKAGES = ("torch", "transformers", "onnxruntime", "onnxruntime-genai")
 
 
-def machine_fingerprint(threads: int, device: str = "cpu") -> dict[str, object]:
-    """CPU model and flags, cores, threads used, memory, OS, Python and library versions, git commit; on a cuda
-    target also the GPU (name, compute capability, memory, driver's CUDA version)."""
+def machine_fingerprint(target: TargetConfig) -> dict[str, object]:
+    """CPU model and flags, cores, the target's threads, memory, OS, Python and library versions, git commit; on a
+    cuda target also the GPU (name, compute capability, memory, driver's CUDA version)."""
+    threads, device = target.threads, target.device
     cpu = _cpuinfo()
     fingerprint: dict[str, object] = {
         "cpu_model": cpu.get("model name", platform.processor() or "unknown"),

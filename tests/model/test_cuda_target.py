@@ -41,10 +41,12 @@ def test_a_cuda_target_measures_the_gpu_it_runs_on():
     from tasks.measure.benchmark import memory_read_bandwidth_gbs
     from tasks.measure.fingerprint import machine_fingerprint
 
-    fingerprint = machine_fingerprint(threads=1, device="cuda")
+    fingerprint = machine_fingerprint(TargetConfig(threads=1, device="cuda"))
     assert fingerprint["gpu"]["name"] and fingerprint["gpu"]["capability"]
-    assert fingerprint["hash"] != machine_fingerprint(threads=1)["hash"]
-    assert memory_read_bandwidth_gbs(1, megabytes=64, trials=3, device="cuda") > 50  # any GPU's HBM/GDDR
+    assert fingerprint["hash"] != machine_fingerprint(TargetConfig(threads=1))["hash"]
+    assert (
+        memory_read_bandwidth_gbs(TargetConfig(threads=1, device="cuda"), megabytes=64, trials=3) > 50
+    )  # any GPU's HBM/GDDR
 
 
 def test_the_gpus_padded_batch_decoder_steps_sequences_of_different_lengths_as_each_alone(baseline_dir: Path):
