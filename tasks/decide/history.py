@@ -125,7 +125,7 @@ def move_production(
 def recover_unfinished_move(model_name: str, actor: str) -> str | None:
     """Finish or undo a production move a killed process left half done (see the module docstring); what was
     done, in words, or None when nothing was unfinished (or the model is not registered yet)."""
-    if INTENT_TAG not in (model_tags(model_name) or {}):
+    if INTENT_TAG not in (model_tags(model_name, unanswered_is_missing=True) or {}):  # a look before the lock
         return None
     with registry_lock(model_name, actor):
         return _recover(model_name)

@@ -366,15 +366,19 @@ def untag_version(model_name: str, version: str, key: str) -> None:
         MlflowClient().delete_model_version_tag(model_name, version, key)
 
 
-def model_tags(model_name: str) -> dict[str, str] | None:
-    """The registered model's own tags (history records, an unfinished move), or None when it is not registered."""
+def model_tags(model_name: str, unanswered_is_missing: bool = False) -> dict[str, str] | None:
+    """The registered model's own tags (history records, an unfinished move), or None when it is not registered
+    (MLflow refused the request). A registry that failed to answer raises (a retry may get past it), unless
+    `unanswered_is_missing`: then that is None too."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     try:
         return dict(MlflowClient().get_registered_model(model_name).tags)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if unanswered_is_missing or mlflow_refused(exc):
+            return None
+        raise
 
 
 def tag_model(model_name: str, key: str, value: str | None) -> None:

@@ -127,6 +127,34 @@ def test_moving_production_where_it_already_is_records_nothing_and_keeps_rollbac
     assert len(history(MODEL)) == 2 and rollback_target(MODEL) == ("2", "1")
 
 
+def test_a_registry_that_fails_to_answer_under_the_lock_stops_the_move_and_keeps_an_unfinished_one(
+    registry, monkeypatch
+):
+    """Under the lock a move first finishes or undoes one a killed process left; if the registry does not answer
+    that read (a 5xx), the move stops there (a retry may get past it) instead of writing its own intent over the
+    unfinished one's, which could then never be rolled back."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from tasks.decide.history import INTENT_TAG
+
+    registry.set_registered_model_tag(MODEL, INTENT_TAG, '{"unfinished": "from a killed process"}')
+    real, failed = MlflowClient.get_registered_model, []
+
+    def unanswered(self, name):
+        if name == MODEL and not failed:  # the first read of the model's own tags: the one under the lock
+            failed.append(name)
+            raise MlflowException("the registry did not answer", error_code="INTERNAL_ERROR")
+        return real(self, name)
+
+    monkeypatch.setattr(MlflowClient, "get_registered_model", unanswered)
+    with pytest.raises(MlflowException, match="did not answer"):
+        move_production(MODEL, "1", None, "run a", "gate", "first", "passed")
+    monkeypatch.undo()
+    assert registry.get_registered_model(MODEL).tags[INTENT_TAG] == '{"unfinished": "from a killed process"}'
+    assert current_version(MODEL, PRODUCTION) is None
+
+
 MOVE_IN_A_CHILD = """
 import sys, mlflow
 from tasks.decide.history import move_production
