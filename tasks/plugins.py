@@ -15,11 +15,19 @@ ENVIRONMENT = "LLMOPT_TECHNIQUES"
 LOAD_PROBLEMS: list[str] = []  # plug-in modules that failed to import (load_config reports the first)
 
 
+_LOADED: set[str] = set()  # the `$LLMOPT_TECHNIQUES` values already loaded in this process
+
+
 def load_plugins() -> None:
-    """Import the installed plug-ins, then the ones `$LLMOPT_TECHNIQUES` names (importing twice is free)."""
+    """Import the installed plug-ins, then the ones `$LLMOPT_TECHNIQUES` names: once per process and value of the
+    variable (the entry-point scan reads every installed distribution's metadata)."""
+    named = os.environ.get(ENVIRONMENT, "")
+    if named in _LOADED:
+        return
+    _LOADED.add(named)
     for entry in metadata.entry_points(group=ENTRY_POINTS):
         _import(entry.value.split(":")[0], f"entry point {entry.name} ({ENTRY_POINTS})")
-    for module in filter(None, (part.strip() for part in os.environ.get(ENVIRONMENT, "").split(","))):
+    for module in filter(None, (part.strip() for part in named.split(","))):
         _import(module, f"${ENVIRONMENT}")
 
 
