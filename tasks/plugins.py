@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Iterable
 from importlib import metadata
 
 ENTRY_POINTS = "llmopt.techniques"
@@ -38,3 +39,10 @@ def _import(module: str, origin: str) -> None:
         problem = f"{origin}: technique module {module} cannot be imported: {exc}"
         if problem not in LOAD_PROBLEMS:
             LOAD_PROBLEMS.append(problem)
+
+
+def load_with_plugins(modules: Iterable[str]) -> None:
+    """Import a registry's built-in `modules` (each registers itself), then the plug-ins: what every catalog does."""
+    for module in modules:
+        importlib.import_module(module)
+    load_plugins()

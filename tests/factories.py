@@ -1,8 +1,13 @@
-"""Builders for test inputs: a deterministic synthetic corpus and a tiny randomly initialised Llama."""
+"""Builders for test inputs: a deterministic synthetic corpus, a tiny randomly initialised Llama, and a fresh
+interpreter with a plug-in module loaded."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 _WORD_TEXT = """
@@ -131,3 +136,23 @@ def damage_as_hashed(folder: Path, name: str, keep: float = 0.5) -> Path:
     manifest.update(content_hash=combined_sha256(hashes), files=hashes)
     (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def run_with_plugin(folder: Path, module: str, source: str, script: str, *args: str) -> dict:
+    """Run `script` (Python source, given `args`) in a fresh interpreter in `folder`, with `source` written as the
+    plug-in module `module` and named in $LLMOPT_TECHNIQUES, offline; the JSON its last printed line holds."""
+    from tasks import plugins
+
+    (folder / "plugins").mkdir(exist_ok=True)
+    (folder / "plugins" / f"{module}.py").write_text(source)
+    repo = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(folder / "plugins"), str(repo)]),
+        plugins.ENVIRONMENT: module,
+        "HF_HUB_OFFLINE": "1",
+    }
+    command = [sys.executable, "-c", script, *args]
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

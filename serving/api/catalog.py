@@ -3,10 +3,8 @@ each registers itself with serving/api/registry.py."""
 
 from __future__ import annotations
 
-import importlib
-
 from serving.api.registry import APIS, WireApi
-from tasks.plugins import load_plugins
+from tasks.plugins import load_with_plugins
 
 # Modules under serving.api that register the built-in APIs (OpenAI's is the default error shape).
 BUILT_IN = ("openai", "tgi")
@@ -14,7 +12,5 @@ BUILT_IN = ("openai", "tgi")
 
 def load() -> dict[str, WireApi]:
     """Import the built-in APIs, then the plug-ins; returns the registry."""
-    for module in BUILT_IN:
-        importlib.import_module(f"serving.api.{module}")
-    load_plugins()
+    load_with_plugins(f"serving.api.{module}" for module in BUILT_IN)
     return APIS

@@ -13,7 +13,7 @@ import importlib.util
 from pathlib import Path
 
 from tasks.engines import BUILT_IN as ENGINES
-from tasks.plugins import load_plugins
+from tasks.plugins import load_with_plugins
 from tasks.techniques.registry import TECHNIQUES, Technique, write_table_into
 
 # The modules that register the built-in techniques, in the order the schema lists them: the transforms and
@@ -32,9 +32,7 @@ BUILT_IN = (
 
 def load() -> dict[str, Technique]:
     """Import the built-in techniques, then the plug-ins (tasks/plugins.py); returns the registry."""
-    for module in BUILT_IN:
-        importlib.import_module(module)
-    load_plugins()
+    load_with_plugins(BUILT_IN)
     return TECHNIQUES
 
 

@@ -3,11 +3,10 @@ each registers itself with tasks/weights/registry.py. The torch engine looks for
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from tasks.errors import ArtifactError
-from tasks.plugins import load_plugins
+from tasks.plugins import load_with_plugins
 from tasks.weights.registry import FORMATS, WeightsFormat
 
 # Modules under tasks.weights that register the built-in formats.
@@ -16,9 +15,7 @@ BUILT_IN = ("safetensors", "torch_dynamic", "transformers_quantized", "quanto", 
 
 def load() -> dict[str, WeightsFormat]:
     """Import the built-in formats, then the plug-ins; returns the registry."""
-    for module in BUILT_IN:
-        importlib.import_module(f"tasks.weights.{module}")
-    load_plugins()
+    load_with_plugins(f"tasks.weights.{module}" for module in BUILT_IN)
     return FORMATS
 
 

@@ -20,7 +20,8 @@ ON_LOAD = "hf-quantize-on-load"
 ON_LOAD_FILE = "quantize-on-load.json"
 # torchao kernels behind the on-load methods, and the devices each packs for (tinygemm int4: tile-packed on CUDA,
 # the CPU's own int4 pack on a CPU, the same grid; FP8 rows: CUDA only)
-ON_LOAD_KERNELS = {"tinygemm_int4": ("cpu", "cuda"), "fp8_per_row": ("cuda",)}
+TINYGEMM_INT4, FP8_PER_ROW = "tinygemm_int4", "fp8_per_row"
+ON_LOAD_KERNELS = {TINYGEMM_INT4: ("cpu", "cuda"), FP8_PER_ROW: ("cuda",)}
 
 
 @register
@@ -61,7 +62,7 @@ def on_load_config(record: dict[str, Any], device: str) -> Any:
         raise TargetError(
             f"{kernel} runs on {', '.join(ON_LOAD_KERNELS[kernel])}, not {device} (torchao packs it for the device)"
         )
-    if kernel == "fp8_per_row":
+    if kernel == FP8_PER_ROW:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
 
         return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
@@ -100,7 +101,7 @@ def packed_bytes(model: Any, record: dict[str, Any]) -> dict[str, Any]:
     scale per row."""
 
     def size(rows: int, columns: int, device: str) -> int:
-        if record["kernel"] == "fp8_per_row":
+        if record["kernel"] == FP8_PER_ROW:
             return rows * columns + rows * 4
         if device == "cuda":
             rows, columns = -(-rows // 8) * 8, -(-columns // 1024) * 1024

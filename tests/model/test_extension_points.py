@@ -5,15 +5,7 @@ the docs' technique table without a change to any llmopt module."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-from tasks import plugins
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.factories import run_with_plugin
 
 TOYS = '''
 """Toys for every extension point."""
@@ -251,18 +243,7 @@ print(json.dumps(result))
 
 
 def test_toys_of_every_kind_plug_in_with_one_registration_each(tiny_model_dir, tmp_path):
-    (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "toy_plugins.py").write_text(TOYS)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path / "plugins"), str(REPO)]),
-        plugins.ENVIRONMENT: "toy_plugins",
-        "HF_HUB_OFFLINE": "1",
-    }
-    command = [sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(tmp_path)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_with_plugin(tmp_path, "toy_plugins", TOYS, SCRIPT, str(tiny_model_dir), str(tmp_path))
     # validation: the method is one of the step's methods, with the step's rules; the export's settings are checked
     assert "Input should be" in result["unknown"] and "'toy_halves'" in result["unknown"], result["unknown"]
     assert "group_size applies to" in result["foreign"] and "not toy_halves" in result["foreign"]

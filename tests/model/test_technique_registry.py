@@ -4,7 +4,6 @@ change to any other module; and every table that names techniques is derived fro
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 from tasks import plugins
 from tasks.params import Step, VariantConfig
 from tasks.techniques import registry
+from tests.factories import run_with_plugin
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,18 +116,7 @@ print(json.dumps(result))
 def test_a_toy_technique_in_its_own_module_runs_through_validation_build_manifest_and_report(
     tiny_model_dir, tmp_path
 ):
-    (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "toy_technique.py").write_text(TOY)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path / "plugins"), str(REPO)]),
-        plugins.ENVIRONMENT: "toy_technique",
-        "HF_HUB_OFFLINE": "1",
-    }
-    command = [sys.executable, "-c", SCRIPT, str(tiny_model_dir), str(tmp_path)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = run_with_plugin(tmp_path, "toy_technique", TOY, SCRIPT, str(tiny_model_dir), str(tmp_path))
     assert "scale_norms.factr" in " ".join(result["typo"]), result["typo"]  # the schema knows its settings
     # the order rules know its role: a transform works on float weights
     assert "prune, distill and scale_norms work on float weights; put them before quantize" in result["order"]

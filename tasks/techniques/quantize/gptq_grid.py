@@ -9,6 +9,7 @@ from typing import Any
 from tasks.techniques.quantize.methods import Quantized, QuantMethod, register_method
 from tasks.techniques.quantize.torchao import TORCHAO, round_onto_torchao_grid, tinygemm_groups
 from tasks.techniques.registry import Row
+from tasks.weights.on_load import TINYGEMM_INT4
 
 
 def _quantize(model: Any, settings: Any, calibration: list[list[int]], progress: Any) -> Quantized:
@@ -28,7 +29,7 @@ register_method(
         capability=(8, 0),
         takes=("group_size", "calibration_windows"),
         calibrates=True,
-        on_load="tinygemm_int4",
+        on_load=TINYGEMM_INT4,
         check=tinygemm_groups,
         rows=(
             Row(

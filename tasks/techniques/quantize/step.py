@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 BUILT_IN = ("torch_dynamic", "torchao", "quanto", "bitsandbytes", "gptq_grid", "gptqmodel")
 for _family in BUILT_IN:
     importlib.import_module(f"tasks.techniques.quantize.{_family}")
-SPECIFIC = ("group_size", "double_quant", "compute_dtype", "bits", "desc_act", "calibration_windows")
 
 
 class QuantizeStep(Strict):
@@ -58,7 +57,7 @@ class QuantizeStep(Strict):
 
     @model_validator(mode="after")
     def _fields_of_the_method(self) -> QuantizeStep:
-        for name in sorted(name for name in SPECIFIC if name in self.model_fields_set):
+        for name in sorted(self.model_fields_set - {"method"}):  # every other setting is some method's
             owners = [method.name for method in METHODS.values() if name in method.takes]
             if self.method not in owners:
                 raise ValueError(f"{name} applies to {' / '.join(owners)}, not {self.method}")

@@ -9,7 +9,7 @@ from typing import Any
 from tasks.techniques.quantize.methods import Quantized, QuantizeSettings, QuantMethod, register_method
 from tasks.techniques.quantize.transformers_load import quantize_at_load
 from tasks.techniques.registry import Row
-from tasks.weights.on_load import ON_LOAD, on_load_modules
+from tasks.weights.on_load import FP8_PER_ROW, ON_LOAD, TINYGEMM_INT4, on_load_modules
 from tasks.weights.transformers_quantized import TRANSFORMERS_QUANTIZED
 
 TORCHAO = ("accelerate", "torchao")
@@ -42,7 +42,7 @@ def _quantize_at_build(model: Any, settings: Any, calibration: list[list[int]], 
 
 def on_load_record(settings: QuantizeSettings, kernel: str) -> dict[str, Any]:
     """What `quantize-on-load.json` says: the torchao kernel, its group size, the method that wrote it."""
-    group = {"group_size": settings.group_size} if kernel == "tinygemm_int4" else {}
+    group = {"group_size": settings.group_size} if kernel == TINYGEMM_INT4 else {}
     return {"kernel": kernel, "method": settings.method, **group}
 
 
@@ -55,7 +55,7 @@ def round_onto_torchao_grid(
 
     from tasks.techniques.tinygemm_rounding import round_onto_tinygemm
 
-    record = on_load_record(settings, "tinygemm_int4")
+    record = on_load_record(settings, TINYGEMM_INT4)
     modules = on_load_modules(model, record)
     refuse_unquantized_decoder_matrices(model, modules, settings, record["kernel"])
     rounded = round_onto_tinygemm(model, modules, settings.group_size, calibration, progress)
@@ -70,7 +70,7 @@ def _tinygemm(model: Any, settings: Any, calibration: list[list[int]], progress:
 
 
 def _fp8(model: Any, settings: Any, calibration: list[list[int]], progress: Any) -> Quantized:
-    record = on_load_record(settings, "fp8_per_row")
+    record = on_load_record(settings, FP8_PER_ROW)
     refuse_unquantized_decoder_matrices(model, on_load_modules(model, record), settings, record["kernel"])
     return Quantized(model, ON_LOAD, record)
 
@@ -88,7 +88,7 @@ def refuse_unquantized_decoder_matrices(
         if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and name not in chosen
     ]
     if left:
-        group = f"group_size: {settings.group_size}" if kernel == "tinygemm_int4" else "FP8"
+        group = f"group_size: {settings.group_size}" if kernel == TINYGEMM_INT4 else "FP8"
         raise ValueError(
             f"method: {settings.method}: {group} leaves {len(left)} decoder matrices unquantized (e.g. {left[0]}: "
             "inputs must split into whole groups, outputs be a multiple of 16); choose a group that divides them"
@@ -157,7 +157,7 @@ register_method(
         TORCHAO,
         capability=(8, 0),
         takes=("group_size",),
-        on_load="tinygemm_int4",
+        on_load=TINYGEMM_INT4,
         check=tinygemm_groups,
         rows=(
             Row(
@@ -181,7 +181,7 @@ register_method(
         devices=("cuda",),
         instead="FP8 matmuls need a GPU of compute capability 8.9 or more; on cpu use torchao_int8_dynamic",
         capability=(8, 9),
-        on_load="fp8_per_row",
+        on_load=FP8_PER_ROW,
         rows=(
             Row(
                 "`quantize: {method: torchao_fp8_per_row}`",
