@@ -1,5 +1,6 @@
 """The ONNX decoder runs long prompt slices with float activations where the graph rounds them to int8 (its
-MatMulNBits at accuracy level 4), and steps and short slices as the graph says (tasks/engines/onnx/runtime.py)."""
+MatMulNBits at accuracy level 4), or in bfloat16 by torch on the graph's own weights where that pays
+(tasks/engines/onnx/bf16_prompts.py), and steps and short slices as the graph says (tasks/engines/onnx/runtime.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
-from tasks.engines.onnx.runtime import FLOAT_PROMPT_TOKENS, OrtBatchDecoder, _int8_activations
+from tasks.engines.onnx.bf16_prompts import AGREEMENT, BfloatPrompts, GraphWeights, faster_in_bf16
+from tasks.engines.onnx.runtime import (
+    BF16_PROMPT_TOKENS,
+    BF16_SLICE_TOKENS,
+    FLOAT_PROMPT_TOKENS,
+    OrtBatchDecoder,
+    _int8_activations,
+)
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
 from tasks.techniques.build import build_variant
@@ -23,6 +31,16 @@ def int4_runtime(trained_base: PreparedBase, tmp_path_factory: pytest.TempPathFa
     folder = tmp_path_factory.mktemp("onnx-int4") / "onnx_int4"
     build_variant("onnx_int4", VariantConfig.model_validate(INT4), trained_base, "d", folder)
     return load_runtime(folder, TargetConfig(threads=1))
+
+
+def decoder_of(runtime, bf16: BfloatPrompts | None = None) -> OrtBatchDecoder:
+    """A batch decoder of `runtime`'s graph with the prompt path given (the float session where None), not the
+    one `batch_decoder` would choose by timing both on this machine."""
+    import json
+
+    config = json.loads((Path(runtime._folder) / "genai_config.json").read_text())["model"]["decoder"]
+    shape = (config["num_key_value_heads"], config["head_size"])
+    return OrtBatchDecoder(Path(runtime._folder) / "model.onnx", shape, 1, bf16=bf16)
 
 
 def sessions_used(decoder: OrtBatchDecoder) -> list[str]:
@@ -55,7 +73,7 @@ def sessions_used(decoder: OrtBatchDecoder) -> list[str]:
 def test_long_slices_run_with_float_activations_steps_and_short_slices_as_the_graph_says(int4_runtime):
     import onnx
 
-    decoder = int4_runtime.batch_decoder()
+    decoder = decoder_of(int4_runtime)
     model = Path(int4_runtime._folder) / "model.onnx"
     assert _int8_activations(onnx.load(model, load_external_data=False))
     assert decoder._prompt_session is not decoder._session  # a second session, float activations
@@ -75,8 +93,8 @@ def test_a_float_prompt_gives_the_graphs_logits_to_int8_rounding_and_the_same_an
     """The two paths differ only in how activations are rounded: the float one's last-position logits stay within
     a few hundredths of the logits' spread of the graph's own, and greedy decoding after either prompt agrees."""
     prompt = [(11 * index) % 250 + 3 for index in range(3 * FLOAT_PROMPT_TOKENS)]
-    float_path = int4_runtime.batch_decoder()
-    graph_path = int4_runtime.batch_decoder()
+    float_path = decoder_of(int4_runtime)
+    graph_path = decoder_of(int4_runtime)
     graph_path._prompt_session = graph_path._session  # this one runs the prompt as the graph says
     answers = []
     for decoder in (float_path, graph_path):
@@ -97,3 +115,129 @@ def test_a_graph_with_float_activations_keeps_one_session(tiny_engine_dir):
     """The fp32 export has no MatMulNBits: nothing to run differently, no second copy of the weights."""
     decoder = load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1)).batch_decoder()
     assert decoder._prompt_session is decoder._session
+
+
+def graph_weights(runtime) -> GraphWeights:
+    weights = GraphWeights.read(Path(runtime._folder) / "model.onnx")
+    assert weights is not None  # the builder's int4 graph is one the path reads
+    return weights
+
+
+def empty_cache(decoder: OrtBatchDecoder) -> list[np.ndarray]:
+    return [np.zeros((1, *decoder._kv_shape[:1], 0, decoder._kv_shape[1]), np.float32) for _ in decoder._past]
+
+
+def test_the_graph_read_back_in_float32_computes_what_the_float_session_computes(int4_runtime):
+    """The reader gets every weight, norm, rotary table and the attention's layout right: in float32 its logits and
+    keys/values match ONNX Runtime's float session of the same int4 graph to float rounding, for a prompt from
+    position 0 and for a slice after a cache (positions and the causal mask after what the row holds)."""
+    import torch
+
+    decoder = decoder_of(int4_runtime)
+    exact = BfloatPrompts(graph_weights(int4_runtime), decoder._past, torch.float32)
+    prompt = [(13 * index) % 250 + 3 for index in range(70)]
+    cache = empty_cache(decoder)
+    for chunk in (prompt[:40], prompt[40:]):
+        ((ours, ours_cache),) = exact.run([(cache, chunk)])
+        theirs, theirs_cache = decoder._run_alone(chunk, cache, long=True)
+        spread = float(theirs.max() - theirs.min())
+        assert float(np.abs(ours - theirs).max()) <= 1e-3 * spread
+        for mine, graph in zip(ours_cache, theirs_cache, strict=True):
+            assert mine.shape == graph.shape
+            assert float(np.abs(mine - graph).max()) <= 1e-3 * float(np.abs(graph).max())
+        cache = theirs_cache
+
+
+def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_them(int4_runtime):
+    """Two prompts' long slices run in one bfloat16 call (the short one on the graph), their keys and values join the
+    graph's cache, and decoding goes on there: after the prompts and for the steps after them, logits within
+    AGREEMENT of their spread of the decoder without the path (a cache handed over at wrong positions or rotations,
+    or not at all, is far outside that). Greedy answers can part at a near-tie (the bfloat16 prompt is another
+    rounding of the same computation), as they can between the float session and the graph."""
+    weights = graph_weights(int4_runtime)
+    plain = decoder_of(int4_runtime)
+    with_bf16 = decoder_of(int4_runtime, BfloatPrompts(weights, plain._past))
+    assert with_bf16._prompt_session is with_bf16._session  # no float session beside the bfloat16 path
+    calls: list[list[int]] = []
+    run = with_bf16._bf16.run
+    with_bf16._bf16.run = lambda slices: calls.append([len(t) for _, t in slices]) or run(slices)
+    width = max(BF16_SLICE_TOKENS, BF16_PROMPT_TOKENS // 2)
+    prompts = [[(k * index) % 240 + 5 for index in range(2 * width)] for k in (7, 11)]
+    short = [9, 8, 7]
+    answers = []
+    for decoder in (with_bf16, plain):
+        first, second, third = (decoder.open([])[0] for _ in range(3))
+        one, two = prompts
+        fills = [(first, one[:width], False), (second, two[:width], False), (third, short, True)]
+        _, filled = decoder.step_with_prefills({}, fills)
+        tokens = {third: [int(np.argmax(filled[third]))]}
+        fills = [(first, one[width:], True), (second, two[width:], True)]
+        stepped, filled = decoder.step_with_prefills({third: tokens[third][0]}, fills)
+        tokens[third].append(int(np.argmax(stepped[third])))
+        tokens.update({s: [int(np.argmax(filled[s]))] for s in (first, second)})
+        logits = [filled[first], filled[second]]
+        for _ in range(3):  # the same tokens into both decoders: the first one's picks
+            picks = answers[0][1] if answers else None
+            stepped = decoder.step({s: (picks[s][len(t) - 1] if picks else t[-1]) for s, t in tokens.items()})
+            for s, t in tokens.items():
+                t.append(int(np.argmax(stepped[s])))
+            logits += [stepped[first], stepped[second]]
+        answers.append((logits, tokens))
+    assert calls == [[width, width], [width, width]]  # one call per step, the short slice not in it
+    (bf16_logits, _), (float_logits, _) = answers
+    for ours, theirs in zip(bf16_logits, float_logits, strict=True):
+        spread = float(theirs.max() - theirs.min())
+        assert float(np.abs(ours - theirs).max()) <= AGREEMENT * spread
+
+
+def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_activations(
+    int4_runtime, tiny_engine_dir, monkeypatch, tmp_path
+):
+    import time
+
+    import onnx
+    from onnx import helper
+
+    decoder = decoder_of(int4_runtime)
+    path, names = Path(int4_runtime._folder) / "model.onnx", decoder._past
+
+    def slower(seconds):
+        def run_alone(tokens, cache):
+            time.sleep(seconds)
+            return decoder._run_alone(tokens, cache)
+
+        return run_alone
+
+    assert isinstance(faster_in_bf16(path, names, slower(0.5)), BfloatPrompts)  # agrees and is faster
+    run = BfloatPrompts.run
+    monkeypatch.setattr(BfloatPrompts, "run", lambda self, slices: time.sleep(0.5) or run(self, slices))
+    assert faster_in_bf16(path, names, slower(0)) is None  # agrees, but slower here
+    monkeypatch.undo()
+
+    def apart(tokens, cache):
+        logits, present = decoder._run_alone(tokens, cache)
+        return logits + np.linspace(0, 0.2, logits.size) * float(logits.max() - logits.min()), present
+
+    assert (
+        faster_in_bf16(path, names, apart) is None
+    )  # faster or not: it does not compute what the graph does
+    # a graph with an operator the reader does not know is not read
+    model = onnx.load(path)
+    node = model.graph.node[-1]
+    model.graph.node.append(helper.make_node("Relu", [node.output[0]], ["planted"]))
+    onnx.save(model, tmp_path / "model.onnx")
+    assert GraphWeights.read(tmp_path / "model.onnx") is None
+    # fp32 weights and activations: bfloat16 would be less exact than the graph, so never chosen
+    fp32 = load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1))
+    assert fp32.batch_decoder().choose_bf16() is None
+    # the runtime decides once and its later decoders take the decision made
+    chosen = load_runtime(Path(int4_runtime._folder), TargetConfig(threads=1))
+    path_taken = BfloatPrompts(graph_weights(int4_runtime), names)
+    monkeypatch.setattr("tasks.engines.onnx.runtime.faster_in_bf16", lambda *args: path_taken)
+    first = chosen.batch_decoder()
+    monkeypatch.setattr(
+        "tasks.engines.onnx.runtime.faster_in_bf16", lambda *args: pytest.fail("decided twice")
+    )
+    second = chosen.batch_decoder()
+    assert first._bf16 is path_taken and second._bf16 is path_taken
+    assert second._prompt_session is second._session

@@ -19,16 +19,26 @@ from tasks.engines.contract import (
     shared_start,
 )
 from tasks.engines.manifest import VariantManifest
+from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16
 from tasks.engines.registry import register_engine
 from tasks.errors import ArtifactUnreadable
 
 ENGINE = "onnxruntime-genai"
+UNDECIDED: Any = False  # a runtime whose decoders' bfloat16 prompt path is not chosen yet
 ONNX_GENAI = "onnx-genai"  # the weights format: the builder's output folder (genai_config.json, model.onnx …)
 # A prompt slice of at least this many tokens runs with float activations where the graph quantizes them to int8
 # (see `OrtBatchDecoder`): one call of SmolLM2-135M int4 (Xeon, AVX-512 VNNI, 2 threads) took 0.71x the time at 256
 # tokens, 0.75x at 128, 0.85x at 64, as long at 32 and 1.3-2.3x as long below 16 with float activations
 # (docs/results/2026-12-05-serving.md).
 FLOAT_PROMPT_TOKENS = 48
+# Prompt slices run in bfloat16 by torch where the decoder has that path (tasks/engines/onnx/bf16_prompts.py) when
+# the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them; the others run on
+# the graph. Through the server's scheduler (SmolLM2-135M int4 mixed, Xeon with AMX, 2 threads), a lone slice took
+# per token 1.1 ms in bfloat16 against 1.55 on the graph at 128-400 tokens, about as long at 64-128 and ~1.3x as
+# long at 32-64 (the bfloat16 weights are twice the graph's bytes, which bound a call of few tokens); several
+# slices in one call share that cost.
+BF16_SLICE_TOKENS = 16
+BF16_PROMPT_TOKENS = 96
 
 
 @register_engine
@@ -56,14 +66,21 @@ class OrtGenAIRuntime(Runtime):
             ) from exc
         self._og = og
         self._folder, self._threads = folder, target.threads
+        self._bf16: Any = UNDECIDED  # the bfloat16 prompt path of its decoders (BfloatPrompts), or None
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][
             "context_length"
         ]
 
     def batch_decoder(self) -> OrtBatchDecoder:
+        """The server's decoder; the first one made decides, once per runtime, whether long prompt slices run in
+        bfloat16 (`faster_in_bf16`: where the graph rounds activations to int8 anyway, and where it pays here)."""
         decoder = json.loads((self._folder / "genai_config.json").read_text())["model"]["decoder"]
         shape = (decoder["num_key_value_heads"], decoder["head_size"])
-        return OrtBatchDecoder(self._folder / decoder["filename"], shape, self._threads)
+        path = self._folder / decoder["filename"]
+        made = OrtBatchDecoder(path, shape, self._threads, bf16=self._bf16 or None)
+        if self._bf16 is UNDECIDED:
+            self._bf16 = made.choose_bf16()
+        return made
 
     def suppressed_at_length(self, stop_at_eos: bool) -> frozenset[int]:
         if stop_at_eos:
@@ -166,11 +183,19 @@ class OrtBatchDecoder(BatchDecoder):
     MLAS's float kernels are faster. The float path is the more exact one (the weights are the same, the
     activations are not rounded to 8 bits), so a served prompt is computed at least as accurately as the evaluation
     measured it; steps and short slices run as the graph says. The second session holds its own packed copy of the
-    weights: it is made only where the machine has room for it twice over."""
+    weights: it is made only where the machine has room for it twice over.
+
+    Long slices in bfloat16: on a CPU with fast bfloat16 matrix products (AMX), the same weights dequantized to
+    bfloat16 run prompts ~1.5-2x faster through torch than ONNX Runtime's float kernels, several prompts' slices in
+    one call (tasks/engines/onnx/bf16_prompts.py); their keys and values join the graph's cache and the steps stay
+    on the graph. `choose_bf16` decides once per runtime by measuring both on this machine; it takes the float
+    session's place."""
 
     chunked_prefill = True  # each prompt slice runs in its own call right after a step (see above)
 
-    def __init__(self, model_path: Path, kv_shape: tuple[int, int], threads: int) -> None:
+    def __init__(
+        self, model_path: Path, kv_shape: tuple[int, int], threads: int, bf16: BfloatPrompts | None = None
+    ) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -193,16 +218,18 @@ class OrtBatchDecoder(BatchDecoder):
             said = engine_says(exc)
             raise ArtifactUnreadable(f"{model_path}: ONNX Runtime cannot load this model: {said}") from exc
         self._prompt_session = self._session  # what runs a slice of FLOAT_PROMPT_TOKENS or more
-        if int8_activations and free_memory() > 2 * _weights_bytes(model_path):
-            options.add_session_config_entry("mlas.qnbit.force_fp32", "1")
-            # its own thread pool: idle between its calls (long ones) instead of spinning beside the steps' pool
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            self._prompt_session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self._present = [output.name for output in self._session.get_outputs()[1:]]
         self._past = [name.replace("present", "past_key_values") for name in self._present]
         inputs = {item.name: item for item in self._session.get_inputs()}
         self._kv_dtype = np.float16 if inputs[self._past[0]].type == "tensor(float16)" else np.float32
         self._kv_shape = kv_shape
+        self._model_path, self._int8_activations = model_path, int8_activations
+        self._bf16 = bf16  # long slices in bfloat16 by torch (`choose_bf16`), in place of the float session
+        if bf16 is None and int8_activations and free_memory() > 2 * _weights_bytes(model_path):
+            options.add_session_config_entry("mlas.qnbit.force_fp32", "1")
+            # its own thread pool: idle between its calls (long ones) instead of spinning beside the steps' pool
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self._prompt_session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         self._ids: list[int] = []  # sequence id of each row, in row order
         self._lengths = np.zeros(0, dtype=np.int64)  # tokens in each row's cache
         self._store: list[np.ndarray] = []  # per cache input: [slots, kv_heads, capacity, head_size]
@@ -219,6 +246,17 @@ class OrtBatchDecoder(BatchDecoder):
     def active(self) -> int:
         return len(self._ids) + len(self._partial)
 
+    def choose_bf16(self) -> BfloatPrompts | None:
+        """Run long prompt slices in bfloat16 from now on where the graph computes with int8 activations (so
+        bfloat16 ones lose nothing against what the evaluation measured), its float32 cache is one the path
+        extends, and `faster_in_bf16` finds the path agrees with this decoder's own prompt call and beats it here;
+        the float session then goes. The path chosen, or None."""
+        if self._bf16 is None and self._int8_activations and self._kv_dtype == np.float32:
+            self._bf16 = faster_in_bf16(self._model_path, self._past, self._run_alone)
+            if self._bf16 is not None:
+                self._prompt_session = self._session  # the float session is not needed: its weights go
+        return self._bf16
+
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
         """A new sequence fed by `step_with_prefills`; with `prompt`, holding already the longest start of it a
         running row holds (at most all but its last token). (its id, how many of the prompt's tokens it holds)."""
@@ -230,7 +268,7 @@ class OrtBatchDecoder(BatchDecoder):
     def add(self, prompt: list[int]) -> tuple[int, Any]:
         sequence, held = self.open(prompt)
         try:
-            logits = self._extend(sequence, prompt[held:])
+            logits = self._extend_all([(sequence, prompt[held:])])[0]
         except Exception:
             self.remove(sequence)
             raise
@@ -246,9 +284,10 @@ class OrtBatchDecoder(BatchDecoder):
                     f"sequence {sequence} is not an opened one still filling, or its chunk is empty"
                 )
         stepped = self.step(tokens) if self._ids else {}
+        found = self._extend_all([(sequence, chunk) for sequence, chunk, _ in fills])
         filled = {}
-        for sequence, chunk, last in fills:  # the graph takes one new-token count per call: a call per slice
-            filled[sequence] = self._extend(sequence, chunk)
+        for (sequence, _, last), logits in zip(fills, found, strict=True):
+            filled[sequence] = logits
             if last:  # its prompt is complete: it steps with the others from the next call on
                 self._join(sequence)
         return stepped, filled
@@ -280,17 +319,44 @@ class OrtBatchDecoder(BatchDecoder):
         self._retained.keep(self._next_id, tokens[:held], copies, self.retain_tokens)
 
     def _extend(self, sequence: int, chunk: list[int]) -> Any:
-        """Run `chunk` after what the opened `sequence` holds, in its own call; the logits after its last token."""
+        """Run `chunk` after what the opened `sequence` holds, in its own call of the graph (on the float session
+        from `FLOAT_PROMPT_TOKENS` on, where there is one); the logits after its last token."""
         held, cache = self._partial[sequence]
         self.steps += 1
+        logits, present = self._run_alone(chunk, cache, len(chunk) >= FLOAT_PROMPT_TOKENS)
+        self._partial[sequence] = (held + list(chunk), present)
+        return logits
+
+    def _extend_all(self, fills: list[tuple[int, list[int]]]) -> list[Any]:
+        """Run each (opened sequence, chunk) after what it holds: the slices of `BF16_SLICE_TOKENS` or more in one
+        bfloat16 call where the decoder has that path and they hold `BF16_PROMPT_TOKENS` between them, every other
+        slice in its own call of the graph. The logits after each chunk's last token, in `fills`' order."""
+        found: dict[int, Any] = {}
+        wide = [index for index, (_, chunk) in enumerate(fills) if len(chunk) >= BF16_SLICE_TOKENS]
+        if self._bf16 is not None and sum(len(fills[index][1]) for index in wide) >= BF16_PROMPT_TOKENS:
+            self.steps += 1
+            slices = [(self._partial[fills[index][0]][1], fills[index][1]) for index in wide]
+            for index, (logits, present) in zip(wide, self._bf16.run(slices), strict=True):
+                sequence, chunk = fills[index]
+                self._partial[sequence] = (self._partial[sequence][0] + list(chunk), present)
+                found[index] = logits
+        for index, (sequence, chunk) in enumerate(fills):
+            if index not in found:
+                found[index] = self._extend(sequence, chunk)
+        return [found[index] for index in range(len(fills))]
+
+    def _run_alone(
+        self, chunk: list[int], cache: list[np.ndarray], long: bool = True
+    ) -> tuple[Any, list[Any]]:
+        """One sequence's `chunk` after its `cache` (per cache input) in one call of the graph, on the float
+        session if `long` and there is one: (the logits after its last token, the cache with the chunk's)."""
         ids = np.asarray([chunk], dtype=np.int64)
-        mask = np.ones((1, len(held) + len(chunk)), dtype=np.int64)
-        session = self._prompt_session if len(chunk) >= FLOAT_PROMPT_TOKENS else self._session
+        mask = np.ones((1, int(cache[0].shape[2]) + len(chunk)), dtype=np.int64)
+        session = self._prompt_session if long else self._session
         logits, *present = session.run(
             None, {"input_ids": ids, "attention_mask": mask, **dict(zip(self._past, cache, strict=True))}
         )
-        self._partial[sequence] = (held + list(chunk), present)
-        return logits[0, -1].astype(np.float32)
+        return logits[0, -1].astype(np.float32), present
 
     def _join(self, sequence: int) -> None:
         """The opened `sequence`, its prompt complete, becomes the next row of the stepped buffer (rows already
