@@ -1,6 +1,6 @@
 """The ONNX decoder runs long prompt slices with float activations where the graph rounds them to int8 (its
 MatMulNBits at accuracy level 4), or in bfloat16 by torch on the graph's own weights where that pays
-(tasks/engines/onnx/bf16_prompts.py), and steps and short slices as the graph says (tasks/engines/onnx/runtime.py)."""
+(tasks/engines/onnx/bf16_prompts.py), and steps and short slices as the graph says (tasks/engines/onnx/batch.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import pytest
 
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
-from tasks.engines.onnx.bf16_prompts import AGREEMENT, BfloatPrompts, GraphWeights, faster_in_bf16
-from tasks.engines.onnx.runtime import (
+from tasks.engines.onnx.batch import (
     BF16_PROMPT_TOKENS,
     BF16_SLICE_TOKENS,
     FLOAT_PROMPT_TOKENS,
     OrtBatchDecoder,
     _int8_activations,
 )
+from tasks.engines.onnx.bf16_prompts import AGREEMENT, BfloatPrompts, GraphWeights, faster_in_bf16
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
 from tasks.techniques.build import build_variant
@@ -233,11 +233,9 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
     # the runtime decides once and its later decoders take the decision made
     chosen = load_runtime(Path(int4_runtime._folder), TargetConfig(threads=1))
     path_taken = BfloatPrompts(graph_weights(int4_runtime), names)
-    monkeypatch.setattr("tasks.engines.onnx.runtime.faster_in_bf16", lambda *args: path_taken)
+    monkeypatch.setattr("tasks.engines.onnx.batch.faster_in_bf16", lambda *args: path_taken)
     first = chosen.batch_decoder()
-    monkeypatch.setattr(
-        "tasks.engines.onnx.runtime.faster_in_bf16", lambda *args: pytest.fail("decided twice")
-    )
+    monkeypatch.setattr("tasks.engines.onnx.batch.faster_in_bf16", lambda *args: pytest.fail("decided twice"))
     second = chosen.batch_decoder()
     assert first._bf16 is path_taken and second._bf16 is path_taken
     assert second._prompt_session is second._session

@@ -1,0 +1,359 @@
+"""The ONNX engine's batch decoder for the server: the builder's graph run by plain ONNX Runtime, rows joining and
+leaving between steps, prompts in slices (see `OrtBatchDecoder`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start
+from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16
+from tasks.engines.onnx.errors import engine_says
+from tasks.errors import ArtifactUnreadable
+
+# A prompt slice of at least this many tokens runs with float activations where the graph quantizes them to int8
+# (see `OrtBatchDecoder`): one call of SmolLM2-135M int4 (Xeon, AVX-512 VNNI, 2 threads) took 0.71x the time at 256
+# tokens, 0.75x at 128, 0.85x at 64, as long at 32 and 1.3-2.3x as long below 16 with float activations
+# (docs/results/2026-12-05-serving.md).
+FLOAT_PROMPT_TOKENS = 48
+# Prompt slices run in bfloat16 by torch where the decoder has that path (tasks/engines/onnx/bf16_prompts.py) when
+# the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them; the others run on
+# the graph. Through the server's scheduler (SmolLM2-135M int4 mixed, Xeon with AMX, 2 threads), a lone slice took
+# per token 1.1 ms in bfloat16 against 1.55 on the graph at 128-400 tokens, about as long at 64-128 and ~1.3x as
+# long at 32-64 (the bfloat16 weights are twice the graph's bytes, which bound a call of few tokens); several
+# slices in one call share that cost.
+BF16_SLICE_TOKENS = 16
+BF16_PROMPT_TOKENS = 96
+
+
+class OrtBatchDecoder(BatchDecoder):
+    """Iteration-level batching on the builder's graph, run by plain ONNX Runtime (ONNX Runtime GenAI's own
+    generator takes no new sequences mid-flight and, on CPU, batches only prompts of one length).
+
+    Each sequence's KV cache sits at the start of its row in one buffer per cache input, which the graph reads and
+    writes in place (past and present bound to the same memory, as ONNX Runtime GenAI does): a step copies no
+    cache. The attention mask gives every row its own length, and the graph's GroupQueryAttention derives each
+    row's positions and where its new key goes from that mask, so a row computes exactly what it computes alone.
+    A joining sequence's cache is written into the next free row and a leaving one's row is taken by the last row,
+    so the rows in use stay the buffer's first ones and the others are not copied; the buffer is reallocated only
+    when it must grow (twice the rows, or more positions). Until then it keeps its size after requests end.
+
+    Prefix reuse: a newcomer whose prompt starts like a running sequence's tokens gets a copy of that row's keys
+    and values for the shared positions and runs only the rest of its prompt (the same tokens at the same
+    positions). With `retain_tokens`, a leaving row's keys and values are kept (a copy, least recently used out
+    first) and serve later newcomers the same way. Prompts join in slices (`step_with_prefills`): the graph takes one new-token count per call, so a
+    joining prompt's slice cannot share the running rows' call as in llama.cpp; each slice gets its own call right
+    after theirs, which bounds what a running stream waits per token just the same.
+
+    Long slices with float activations: where the graph's MatMulNBits compute with int8 activations (the builder's
+    `accuracy_level: 4`, its CPU default), a slice of `FLOAT_PROMPT_TOKENS` or more runs on a second session of
+    the same graph whose MatMulNBits keep their activations in float32 (ONNX Runtime's `mlas.qnbit.force_fp32`):
+    int8 activations pay at one or a few rows, where the weights' bytes bound the call, and cost at many, where
+    MLAS's float kernels are faster. The float path is the more exact one (the weights are the same, the
+    activations are not rounded to 8 bits), so a served prompt is computed at least as accurately as the evaluation
+    measured it; steps and short slices run as the graph says. The second session holds its own packed copy of the
+    weights: it is made only where the machine has room for it twice over.
+
+    Long slices in bfloat16: on a CPU with fast bfloat16 matrix products (AMX), the same weights dequantized to
+    bfloat16 run prompts ~1.5-2x faster through torch than ONNX Runtime's float kernels, several prompts' slices in
+    one call (tasks/engines/onnx/bf16_prompts.py); their keys and values join the graph's cache and the steps stay
+    on the graph. `choose_bf16` decides once per runtime by measuring both on this machine; it takes the float
+    session's place."""
+
+    chunked_prefill = True  # each prompt slice runs in its own call right after a step (see above)
+
+    def __init__(
+        self, model_path: Path, kv_shape: tuple[int, int], threads: int, bf16: BfloatPrompts | None = None
+    ) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        # the graph's weights stay in their file beside it (the graph itself is handed over as bytes)
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(model_path.parent)
+        )
+        self._ort = ort
+        try:
+            import onnx
+
+            model = onnx.load(model_path, load_external_data=False)  # the graph alone, once
+            int8_activations = _int8_activations(model)
+            graph = last_position_logits(model)
+            self._session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        except (
+            Exception
+        ) as exc:  # a protobuf DecodeError, ONNX Runtime's Fail/InvalidProtobuf, a missing file
+            said = engine_says(exc)
+            raise ArtifactUnreadable(f"{model_path}: ONNX Runtime cannot load this model: {said}") from exc
+        self._prompt_session = self._session  # what runs a slice of FLOAT_PROMPT_TOKENS or more
+        self._present = [output.name for output in self._session.get_outputs()[1:]]
+        self._past = [name.replace("present", "past_key_values") for name in self._present]
+        inputs = {item.name: item for item in self._session.get_inputs()}
+        self._kv_dtype = np.float16 if inputs[self._past[0]].type == "tensor(float16)" else np.float32
+        self._kv_shape = kv_shape
+        self._model_path, self._int8_activations = model_path, int8_activations
+        self._bf16 = bf16  # long slices in bfloat16 by torch (`choose_bf16`), in place of the float session
+        if bf16 is None and int8_activations and free_memory() > 2 * _weights_bytes(model_path):
+            options.add_session_config_entry("mlas.qnbit.force_fp32", "1")
+            # its own thread pool: idle between its calls (long ones) instead of spinning beside the steps' pool
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self._prompt_session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        self._ids: list[int] = []  # sequence id of each row, in row order
+        self._lengths = np.zeros(0, dtype=np.int64)  # tokens in each row's cache
+        self._store: list[np.ndarray] = []  # per cache input: [slots, kv_heads, capacity, head_size]
+        self._cache: list[np.ndarray] = []  # per cache input: the rows in use, views of `_store`
+        self._binding: Any = None
+        self._next_id = 0
+        self._tokens: list[list[int]] = []  # what each row's cache holds, position by position
+        self._partial: dict[int, tuple[list[int], list[np.ndarray]]] = {}  # opened: (tokens in, their K/V)
+        # finished sequences kept for prefix reuse: per cache input a copy of its K/V [kv_heads, tokens, head_size]
+        self._retained = RetainedPrefixes()
+        self.reused_tokens = 0  # prompt tokens copied from another row's cache instead of computed
+
+    @property
+    def active(self) -> int:
+        return len(self._ids) + len(self._partial)
+
+    def choose_bf16(self) -> BfloatPrompts | None:
+        """Run long prompt slices in bfloat16 from now on where the graph computes with int8 activations (so
+        bfloat16 ones lose nothing against what the evaluation measured), its float32 cache is one the path
+        extends, and `faster_in_bf16` finds the path agrees with this decoder's own prompt call and beats it here;
+        the float session then goes. The path chosen, or None."""
+        if self._bf16 is None and self._int8_activations and self._kv_dtype == np.float32:
+            self._bf16 = faster_in_bf16(self._model_path, self._past, self._run_alone)
+            if self._bf16 is not None:
+                self._prompt_session = self._session  # the float session is not needed: its weights go
+        return self._bf16
+
+    def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
+        """A new sequence fed by `step_with_prefills`; with `prompt`, holding already the longest start of it a
+        running row holds (at most all but its last token). (its id, how many of the prompt's tokens it holds)."""
+        tokens, cache = self._shared_start(prompt or [])
+        self._next_id += 1
+        self._partial[self._next_id] = (tokens, cache)
+        return self._next_id, len(tokens)
+
+    def add(self, prompt: list[int]) -> tuple[int, Any]:
+        sequence, held = self.open(prompt)
+        try:
+            logits = self._extend_all([(sequence, prompt[held:])])[0]
+        except Exception:
+            self.remove(sequence)
+            raise
+        self._join(sequence)
+        return sequence, logits
+
+    def step_with_prefills(
+        self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
+    ) -> tuple[dict[int, Any], dict[int, Any]]:
+        for sequence, chunk, _ in fills:
+            if sequence not in self._partial or not chunk:
+                raise ValueError(
+                    f"sequence {sequence} is not an opened one still filling, or its chunk is empty"
+                )
+        stepped = self.step(tokens) if self._ids else {}
+        found = self._extend_all([(sequence, chunk) for sequence, chunk, _ in fills])
+        filled = {}
+        for (sequence, _, last), logits in zip(fills, found, strict=True):
+            filled[sequence] = logits
+            if last:  # its prompt is complete: it steps with the others from the next call on
+                self._join(sequence)
+        return stepped, filled
+
+    def _shared_start(self, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
+        """The longest start of `prompt` (all but its last token at most) a row or a retained finished sequence
+        holds, with a copy of its K/V."""
+        shared, source, kept = (
+            shared_start(prompt, self._tokens, self._retained) if self.reuse_prefixes else (0, None, None)
+        )
+        if source is None and kept is None:
+            empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
+            return [], [empty for _ in self._past]
+        self.reused_tokens += shared
+        if kept is not None:
+            cache = [np.ascontiguousarray(kv[None, :, :shared]) for kv in self._retained.use(kept)]
+        else:
+            cache = [np.ascontiguousarray(kv[source : source + 1, :, :shared]) for kv in self._cache]
+        return list(prompt[:shared]), cache
+
+    def _retain(self, row: int) -> None:
+        """Keep a copy of a leaving row's keys and values for later prompts that start like it; the least
+        recently used go first beyond `retain_tokens` (and one that starts another kept one replaces it)."""
+        tokens, held = self._tokens[row], int(self._lengths[row])
+        if not self.reuse_prefixes or not 1 < held <= self.retain_tokens:
+            return
+        self._next_id += 1
+        copies = [store[row, :, :held].copy() for store in self._store]
+        self._retained.keep(self._next_id, tokens[:held], copies, self.retain_tokens)
+
+    def _extend(self, sequence: int, chunk: list[int]) -> Any:
+        """Run `chunk` after what the opened `sequence` holds, in its own call of the graph (on the float session
+        from `FLOAT_PROMPT_TOKENS` on, where there is one); the logits after its last token."""
+        held, cache = self._partial[sequence]
+        self.steps += 1
+        logits, present = self._run_alone(chunk, cache, len(chunk) >= FLOAT_PROMPT_TOKENS)
+        self._partial[sequence] = (held + list(chunk), present)
+        return logits
+
+    def _extend_all(self, fills: list[tuple[int, list[int]]]) -> list[Any]:
+        """Run each (opened sequence, chunk) after what it holds: the slices of `BF16_SLICE_TOKENS` or more in one
+        bfloat16 call where the decoder has that path and they hold `BF16_PROMPT_TOKENS` between them, every other
+        slice in its own call of the graph. The logits after each chunk's last token, in `fills`' order."""
+        found: dict[int, Any] = {}
+        wide = [index for index, (_, chunk) in enumerate(fills) if len(chunk) >= BF16_SLICE_TOKENS]
+        if self._bf16 is not None and sum(len(fills[index][1]) for index in wide) >= BF16_PROMPT_TOKENS:
+            self.steps += 1
+            slices = [(self._partial[fills[index][0]][1], fills[index][1]) for index in wide]
+            for index, (logits, present) in zip(wide, self._bf16.run(slices), strict=True):
+                sequence, chunk = fills[index]
+                self._partial[sequence] = (self._partial[sequence][0] + list(chunk), present)
+                found[index] = logits
+        for index, (sequence, chunk) in enumerate(fills):
+            if index not in found:
+                found[index] = self._extend(sequence, chunk)
+        return [found[index] for index in range(len(fills))]
+
+    def _run_alone(
+        self, chunk: list[int], cache: list[np.ndarray], long: bool = True
+    ) -> tuple[Any, list[Any]]:
+        """One sequence's `chunk` after its `cache` (per cache input) in one call of the graph, on the float
+        session if `long` and there is one: (the logits after its last token, the cache with the chunk's)."""
+        ids = np.asarray([chunk], dtype=np.int64)
+        mask = np.ones((1, int(cache[0].shape[2]) + len(chunk)), dtype=np.int64)
+        session = self._prompt_session if long else self._session
+        logits, *present = session.run(
+            None, {"input_ids": ids, "attention_mask": mask, **dict(zip(self._past, cache, strict=True))}
+        )
+        return logits[0, -1].astype(np.float32), present
+
+    def _join(self, sequence: int) -> None:
+        """The opened `sequence`, its prompt complete, becomes the next row of the stepped buffer (rows already
+        there are not copied, unless the buffer must grow)."""
+        tokens, present = self._partial.pop(sequence)
+        row = len(self._ids)
+        self._reserve(row + 1, max(self._capacity, _room_for(len(tokens))))
+        for store, kv in zip(self._store, present, strict=True):
+            store[row, :, : len(tokens)] = kv[0]
+        self._ids.append(sequence)
+        self._tokens.append(tokens)
+        self._lengths = np.append(self._lengths, len(tokens))
+        self._bind()
+
+    def _reserve(self, rows: int, capacity: int) -> None:
+        """Room for `rows` rows of `capacity` positions: a larger buffer (twice the rows) with the rows in use
+        copied in, where the one there is too small."""
+        if self._store and rows <= self._store[0].shape[0] and capacity <= self._capacity:
+            return
+        slots = max(rows, 2 * self._store[0].shape[0] if self._store else 4)
+        used = len(self._ids)
+        grown = []
+        for index in range(len(self._past)):
+            buffer = np.zeros((slots, self._kv_shape[0], capacity, self._kv_shape[1]), self._kv_dtype)
+            if self._store:
+                old = self._store[index]
+                buffer[:used, :, : old.shape[2]] = old[:used]
+            grown.append(buffer)
+        self._store = grown
+
+    def step(self, tokens: dict[int, int]) -> dict[int, Any]:
+        if set(tokens) != set(self._ids):
+            raise ValueError(
+                f"step needs a token for every active sequence {self._ids}, got {sorted(tokens)}"
+            )
+        if int(self._lengths.max()) + 1 > self._capacity:
+            self._reserve(len(self._ids), _room_for(self._capacity + 1))
+            self._bind()
+        self.steps += 1
+        width = int(self._lengths.max()) + 1
+        mask = (np.arange(width)[None, :] <= self._lengths[:, None]).astype(np.int64)
+        self._binding.bind_cpu_input(
+            "input_ids", np.asarray([[tokens[s]] for s in self._ids], dtype=np.int64)
+        )
+        self._binding.bind_cpu_input("attention_mask", mask)
+        self._session.run_with_iobinding(self._binding)
+        logits = self._binding.get_outputs()[0].numpy()[:, -1].astype(np.float32)
+        self._lengths = self._lengths + 1
+        for row, sequence in enumerate(self._ids):
+            self._tokens[row].append(tokens[sequence])
+        return dict(zip(self._ids, logits, strict=True))
+
+    def remove(self, sequence: int) -> None:
+        """Forget `sequence`: the last row moves into its place (one row's cache copied), so the rows in use stay
+        the buffer's first ones and the graph runs no empty row."""
+        if self._partial.pop(sequence, None) is not None:
+            return
+        row, last = self._ids.index(sequence), len(self._ids) - 1
+        self._retain(row)
+        if row != last:
+            held = int(self._lengths[last])
+            for store in self._store:
+                store[row, :, :held] = store[last, :, :held]
+            self._ids[row], self._tokens[row] = self._ids[last], self._tokens[last]
+            self._lengths[row] = held
+        del self._ids[last], self._tokens[last]
+        self._lengths = self._lengths[:last]
+        self._bind()
+
+    @property
+    def _capacity(self) -> int:
+        return self._store[0].shape[2] if self._store else 0
+
+    def _bind(self) -> None:
+        """Make the rows in use of the buffers what the graph reads its past from and writes its present into."""
+        rows = len(self._ids)
+        self._cache = [store[:rows] for store in self._store] if rows else []  # views: no copy
+        self._binding = None
+        if not rows:
+            return
+        binding = self._session.io_binding()
+        binding.bind_output("logits")
+        for past, present, buffer in zip(self._past, self._present, self._cache, strict=True):
+            value = self._ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the numpy buffer's memory
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        self._binding = binding
+
+
+def last_position_logits(model: Any) -> bytes:
+    """The builder's graph with its lm_head applied to each row's last position only: the server needs no other
+    position's logits, and over a prompt the lm_head (the vocabulary times the hidden size, per position) was ~17 %
+    of the call (SmolLM2-135M, 100 tokens). The same logits for that position (the rows are sliced before the
+    lm_head, nothing else changes). `model`: the builder's ModelProto, without its weights (changed in place)."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    head = next(node for node in graph.node if "logits" in node.output)
+    if head.op_type not in ("MatMul", "MatMulNBits"):  # another head (a soft-capped one, say): left whole
+        return model.SerializeToString()
+    bounds = {"llmopt_last_start": -1, "llmopt_last_end": np.iinfo(np.int64).max, "llmopt_last_axis": 1}
+    graph.initializer.extend(numpy_helper.from_array(np.array([v], np.int64), k) for k, v in bounds.items())
+    sliced = helper.make_node(
+        "Slice", [head.input[0], *bounds], ["llmopt_last_hidden"], name="llmopt_last_position"
+    )
+    graph.node.insert(list(graph.node).index(head), sliced)
+    head.input[0] = "llmopt_last_hidden"
+    return model.SerializeToString()
+
+
+def _int8_activations(model: Any) -> bool:
+    """Whether any MatMulNBits of the graph (a ModelProto) computes with int8 activations (accuracy_level 4)."""
+    return any(
+        attribute.name == "accuracy_level" and attribute.i == 4
+        for node in model.graph.node
+        if node.op_type == "MatMulNBits"
+        for attribute in node.attribute
+    )
+
+
+def _weights_bytes(model_path: Path) -> int:
+    """The graph's weights on disk: the file beside it (the builder's `model.onnx.data`), else the graph itself."""
+    data = model_path.with_name(model_path.name + ".data")
+    return (data if data.exists() else model_path).stat().st_size
+
+
+def _room_for(tokens: int) -> int:
+    """Buffer positions for a cache of `tokens`: the next power of two with room to grow (at least 256)."""
+    return max(256, 1 << int(tokens + 64).bit_length())
