@@ -11,6 +11,7 @@ import pytest
 
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
+from tasks.engines.onnx import bf16_prompts
 from tasks.engines.onnx.batch import (
     BF16_PROMPT_TOKENS,
     BF16_SLICE_TOKENS,
@@ -200,6 +201,9 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
 
     decoder = decoder_of(int4_runtime)
     path, names = Path(int4_runtime._folder) / "model.onnx", decoder._past
+    monkeypatch.setattr(bf16_prompts, "_bf16_matmul_in_hardware", lambda: False)
+    assert faster_in_bf16(path, names, decoder._run_alone) is None  # no AMX / AVX-512 BF16: not even probed
+    monkeypatch.setattr(bf16_prompts, "_bf16_matmul_in_hardware", lambda: True)  # the rest on any CPU
 
     def slower(seconds):
         def run_alone(tokens, cache):
@@ -212,7 +216,7 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
     run = BfloatPrompts.run
     monkeypatch.setattr(BfloatPrompts, "run", lambda self, slices: time.sleep(0.5) or run(self, slices))
     assert faster_in_bf16(path, names, slower(0)) is None  # agrees, but slower here
-    monkeypatch.undo()
+    monkeypatch.setattr(BfloatPrompts, "run", run)
 
     def apart(tokens, cache):
         logits, present = decoder._run_alone(tokens, cache)

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # measured 0.4-0.9 % on SmolLM2 int4/int8 graphs and the test model (tests/model/test_onnx_prompts.py)
 AGREEMENT = 0.03
 PROBE_TOKENS = 96  # the prompt `faster_in_bf16` times both paths on: a typical served prompt's length
+PROBE_ROUNDS = (
+    3  # ... the best of this many each (the server decides at start, maybe beside other busy processes)
+)
 ALLOWED = {
     "MatMulNBits",
     "MatMul",
@@ -334,17 +337,23 @@ def faster_in_bf16(
 ) -> BfloatPrompts | None:
     """The bfloat16 path for this graph where it is worth having: the graph is one it reads, the machine has room
     for its weights, its logits for a probe prompt agree with ONNX Runtime's (`run_alone(tokens, empty cache)`)
-    within `AGREEMENT` of their spread, and it runs that prompt faster here (best of two each). None otherwise, with
-    the reason in the debug log: a CPU without fast bfloat16 matrix products (no AMX or AVX-512 BF16) keeps ONNX
-    Runtime's prompts."""
+    within `AGREEMENT` of their spread, and it runs that prompt faster here (best of `PROBE_ROUNDS` each). None
+    otherwise (a CPU without bfloat16 matrix instructions, AMX or AVX-512 BF16, is not probed), the verdict in the
+    log."""
     import time
 
+    if not _bf16_matmul_in_hardware():
+        log.info(
+            "%s: this CPU has no bfloat16 matrix instructions: prompts stay on ONNX Runtime",
+            model_path.parent.name,
+        )
+        return None
     weights = GraphWeights.read(model_path)
     if weights is None:
-        log.debug("%s: not a graph the bfloat16 prompt path reads", model_path)
+        log.info("%s: not a graph the bfloat16 prompt path reads", model_path.parent.name)
         return None
     if free_memory() < 3 * 2 * sum(m.numel() for m in weights.matrices()):
-        log.debug("%s: no room for a bfloat16 copy of the weights", model_path)
+        log.info("%s: no room for a bfloat16 copy of the weights", model_path.parent.name)
         return None
     prompts = BfloatPrompts(weights, names)
     size = weights.cos.shape[1] * 2
@@ -352,7 +361,7 @@ def faster_in_bf16(
     probe = [(37 * index) % (weights.embedding.shape[0] - 3) + 3 for index in range(PROBE_TOKENS)]
     calls = {"bf16": lambda: prompts.run([(empty, probe)])[0][0], "onnx": lambda: run_alone(probe, empty)[0]}
     took, logits = {}, {}
-    for name in [*calls, *calls]:  # best of two each, interleaved
+    for name in [*calls] * PROBE_ROUNDS:  # best of each, interleaved
         started = time.perf_counter()
         logits[name] = calls[name]()
         took[name] = min(took.get(name, float("inf")), time.perf_counter() - started)
@@ -366,24 +375,41 @@ def faster_in_bf16(
             apart,
         )
         return None
-    if took["bf16"] >= took["onnx"]:
-        log.debug(
-            "%s: bfloat16 prompt %.1f ms, ONNX Runtime %.1f ms: not used",
-            model_path,
-            1e3 * took["bf16"],
-            1e3 * took["onnx"],
-        )
-        return None
-    return prompts
+    verdict = "used" if took["bf16"] < took["onnx"] else "not used"
+    log.info(
+        "%s: a %d-token prompt in bfloat16 %.1f ms, on ONNX Runtime %.1f ms: bfloat16 prompts %s",
+        model_path.parent.name,
+        PROBE_TOKENS,
+        1e3 * took["bf16"],
+        1e3 * took["onnx"],
+        verdict,
+    )
+    return prompts if verdict == "used" else None
+
+
+def _bf16_matmul_in_hardware() -> bool:
+    """Whether the CPU multiplies bfloat16 matrices in hardware (AMX or AVX-512 BF16, from /proc/cpuinfo's flags);
+    elsewhere oneDNN emulates bfloat16 and the path cannot pay. True where the flags cannot be read (the probe
+    decides there)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _packs() -> bool:
-    """Whether oneDNN's packed bfloat16 linear is there (see `tasks.engines.pytorch.slots._Weights`)."""
+    """Whether oneDNN's packed bfloat16 linear is there and right on this CPU (see
+    `tasks.engines.pytorch.slots._Weights`): a packed matrix checked against `F.linear` on a few rows."""
     import torch
 
     ops = torch.ops.mkldnn
-    return bool(
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    )
+    if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_reorder_linear_weight"):
+        return False
+    try:
+        weight = torch.randn(32, 64, dtype=torch.bfloat16)
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        got = _Weights([SimpleNamespace(weight=weight, bias=None)], pack=True)(x)
+        return bool(torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=0.02, atol=0.02))
+    except (RuntimeError, AttributeError):  # a oneDNN build without bfloat16 matmul on this CPU
+        return False
