@@ -260,11 +260,9 @@ class BfloatPrompts:
 
     def _norm(self, x: Any, gamma: Any) -> Any:
         """RMSNorm computed in float32 (as the graph's stash type), returned in the path's dtype."""
-        import torch
+        import torch.nn.functional as F
 
-        wide = x.float()
-        scaled = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self._epsilon)
-        return (scaled * gamma).to(self._dtype)
+        return F.rms_norm(x.float(), gamma.shape, gamma, self._epsilon).to(self._dtype)
 
     def run(
         self, slices: list[tuple[list[np.ndarray], list[int]]]
@@ -281,8 +279,10 @@ class BfloatPrompts:
             sizes = [len(tokens) for _, tokens in slices]
             ids = torch.tensor([t for _, tokens in slices for t in tokens])
             position = torch.tensor([p for h, n in zip(held, sizes, strict=True) for p in range(h, h + n)])
-            cos = self._cos[position][None].to(bf16)  # [1, tokens, half]
-            sin = self._sin[position][None].to(bf16)
+            half = self._cos[position][None]  # [1, tokens, head size / 2]
+            cos = torch.cat([half, half], dim=-1).to(bf16)  # both halves turn by the same angle
+            half = self._sin[position][None]
+            sin = torch.cat([-half, half], dim=-1).to(bf16)  # the first half's partner is subtracted
             hidden = self._embedding[ids]  # [tokens, hidden] bfloat16
             width, size = len(ids), self._head_size
             heads, kv_heads = self._heads, self._kv_heads
@@ -324,12 +324,12 @@ class BfloatPrompts:
 
 
 def _rotate(x: Any, cos: Any, sin: Any) -> Any:
-    """Rotary embedding, halves not interleaved: x [heads, tokens, head size], cos/sin [1, tokens, size / 2]."""
+    """Rotary embedding, halves not interleaved: x [heads, tokens, head size]; cos [1, tokens, size] (each angle's
+    cosine twice), sin [1, tokens, size] (its sine negated, then as is): (x1 cos - x2 sin, x2 cos + x1 sin)."""
     import torch
 
     half = x.shape[-1] // 2
-    first, second = x[..., :half], x[..., half:]
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def faster_in_bf16(
