@@ -19,18 +19,28 @@ from tasks.engines.onnx.batch import (
     OrtBatchDecoder,
     _int8_activations,
 )
-from tasks.engines.onnx.bf16_prompts import AGREEMENT, BfloatPrompts, GraphWeights, faster_in_bf16
+from tasks.engines.onnx.bf16_prompts import AGREEMENT, BfloatPrompts, faster_in_bf16
+from tasks.engines.onnx.graph_weights import GraphWeights
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
 from tasks.techniques.build import build_variant
 
 INT4 = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32}}]}  # accuracy level 4: the default
+# the production's shape: 8-bit MatMulNBits beside 4-bit ones, the embedding lookup on the int8 lm_head's table
+HEAD8 = {"steps": [{"onnx_genai": {"precision": "int4", "block_size": 32, "lm_head": "int8"}}]}
 
 
 @pytest.fixture(scope="module")
 def int4_runtime(trained_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("onnx-int4") / "onnx_int4"
     build_variant("onnx_int4", VariantConfig.model_validate(INT4), trained_base, "d", folder)
+    return load_runtime(folder, TargetConfig(threads=1))
+
+
+@pytest.fixture(scope="module")
+def head8_runtime(trained_base: PreparedBase, tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("onnx-head8") / "onnx_int4_head8"
+    build_variant("onnx_int4_head8", VariantConfig.model_validate(HEAD8), trained_base, "d", folder)
     return load_runtime(folder, TargetConfig(threads=1))
 
 
@@ -128,24 +138,33 @@ def empty_cache(decoder: OrtBatchDecoder) -> list[np.ndarray]:
     return [np.zeros((1, *decoder._kv_shape[:1], 0, decoder._kv_shape[1]), np.float32) for _ in decoder._past]
 
 
-def test_the_graph_read_back_in_float32_computes_what_the_float_session_computes(int4_runtime):
+@pytest.mark.parametrize("graph", ["int4", "int4 with an int8 lm_head"])
+def test_the_graph_read_back_in_float32_computes_what_the_float_session_computes(
+    graph, int4_runtime, head8_runtime
+):
     """The reader gets every weight, norm, rotary table and the attention's layout right: in float32 its logits and
-    keys/values match ONNX Runtime's float session of the same int4 graph to float rounding, for a prompt from
-    position 0 and for a slice after a cache (positions and the causal mask after what the row holds)."""
+    keys/values match ONNX Runtime's float session of the same graph to float rounding, for a prompt from position 0
+    and for a slice after a cache (positions and the causal mask after what the row holds); 4-bit matrices, and an
+    8-bit lm_head whose table the embedding lookup shares (the production's shape). Where the graph's 8-bit matrices
+    round activations even in the float session, to the float session's int8 rounding instead."""
     import torch
 
-    decoder = decoder_of(int4_runtime)
-    exact = BfloatPrompts(graph_weights(int4_runtime), decoder._past, torch.float32)
+    runtime = int4_runtime if graph == "int4" else head8_runtime
+    decoder = decoder_of(runtime)
+    exact = BfloatPrompts(graph_weights(runtime), decoder._past, torch.float32)
     prompt = [(13 * index) % 250 + 3 for index in range(70)]
     cache = empty_cache(decoder)
+    # the float session's 8-bit lm_head still quantizes its input (MLAS has no float path for 8 bits); the layers'
+    # keys and values come before it, exact
+    tolerance = 1e-3 if graph == "int4" else AGREEMENT
     for chunk in (prompt[:40], prompt[40:]):
         ((ours, ours_cache),) = exact.run([(cache, chunk)])
         theirs, theirs_cache = decoder._run_alone(chunk, cache, long=True)
         spread = float(theirs.max() - theirs.min())
-        assert float(np.abs(ours - theirs).max()) <= 1e-3 * spread
-        for mine, graph in zip(ours_cache, theirs_cache, strict=True):
-            assert mine.shape == graph.shape
-            assert float(np.abs(mine - graph).max()) <= 1e-3 * float(np.abs(graph).max())
+        assert float(np.abs(ours - theirs).max()) <= tolerance * spread
+        for mine, kept in zip(ours_cache, theirs_cache, strict=True):
+            assert mine.shape == kept.shape
+            assert float(np.abs(mine - kept).max()) <= 1e-3 * float(np.abs(kept).max())
         cache = theirs_cache
 
 
@@ -158,7 +177,9 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
     weights = graph_weights(int4_runtime)
     plain = decoder_of(int4_runtime)
     with_bf16 = decoder_of(int4_runtime, BfloatPrompts(weights, plain._past))
-    assert with_bf16._prompt_session is with_bf16._session  # no float session beside the bfloat16 path
+    assert (
+        with_bf16._prompt_session is not with_bf16._session
+    )  # a lone long slice still runs on the float one
     calls: list[list[int]] = []
     run = with_bf16._bf16.run
     with_bf16._bf16.run = lambda slices: calls.append([len(t) for _, t in slices]) or run(slices)
@@ -185,6 +206,10 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
             logits += [stepped[first], stepped[second]]
         answers.append((logits, tokens))
     assert calls == [[width, width], [width, width]]  # one call per step, the short slice not in it
+    narrow = [with_bf16.open([])[0] for _ in range(2)]  # wide slices holding fewer than BF16_PROMPT_TOKENS
+    fills = [(s, prompts[0][: BF16_SLICE_TOKENS + 1], True) for s in narrow]
+    with_bf16.step_with_prefills({s: 5 for s in with_bf16._ids}, fills)
+    assert 2 * (BF16_SLICE_TOKENS + 1) < BF16_PROMPT_TOKENS and len(calls) == 2  # on the graph
     (bf16_logits, _), (float_logits, _) = answers
     for ours, theirs in zip(bf16_logits, float_logits, strict=True):
         spread = float(theirs.max() - theirs.min())
@@ -201,8 +226,12 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
 
     decoder = decoder_of(int4_runtime)
     path, names = Path(int4_runtime._folder) / "model.onnx", decoder._past
+
+    def choice(run_alone):
+        return faster_in_bf16(path, names, decoder._kv_shape, 1, run_alone)
+
     monkeypatch.setattr(bf16_prompts, "_bf16_matmul_in_hardware", lambda: False)
-    assert faster_in_bf16(path, names, decoder._run_alone) is None  # no AMX / AVX-512 BF16: not even probed
+    assert choice(decoder._run_alone) is None  # no AMX / AVX-512 BF16: not even probed
     monkeypatch.setattr(bf16_prompts, "_bf16_matmul_in_hardware", lambda: True)  # the rest on any CPU
 
     def slower(seconds):
@@ -212,19 +241,33 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
 
         return run_alone
 
-    assert isinstance(faster_in_bf16(path, names, slower(0.5)), BfloatPrompts)  # agrees and is faster
+    assert isinstance(choice(slower(0.5)), BfloatPrompts)  # agrees and is faster
     run = BfloatPrompts.run
     monkeypatch.setattr(BfloatPrompts, "run", lambda self, slices: time.sleep(0.5) or run(self, slices))
-    assert faster_in_bf16(path, names, slower(0)) is None  # agrees, but slower here
+    assert choice(slower(0)) is None  # agrees, but slower here
     monkeypatch.setattr(BfloatPrompts, "run", run)
 
-    def apart(tokens, cache):
+    def logits_apart(tokens, cache):
         logits, present = decoder._run_alone(tokens, cache)
         return logits + np.linspace(0, 0.2, logits.size) * float(logits.max() - logits.min()), present
 
-    assert (
-        faster_in_bf16(path, names, apart) is None
-    )  # faster or not: it does not compute what the graph does
+    def cache_apart(tokens, cache):  # the same logits, the keys and values of the layers in another order
+        logits, present = decoder._run_alone(tokens, cache)
+        return logits, present[::-1]
+
+    assert choice(logits_apart) is None  # faster or not: it does not compute what the graph does
+    assert choice(cache_apart) is None
+    # a lookup table that is not the lm_head's own is not taken for it
+    model = onnx.load(path)
+    gather = next(node for node in model.graph.node if node.op_type == "GatherBlockQuantized")
+    scales = next(item for item in model.graph.initializer if item.name == gather.input[2])
+    copy = onnx.TensorProto()
+    copy.CopyFrom(scales)
+    copy.name = "planted_scales"
+    model.graph.initializer.append(copy)
+    gather.input[2] = copy.name
+    onnx.save(model, tmp_path / "model.onnx")
+    assert GraphWeights.read(tmp_path / "model.onnx") is None
     # a graph with an operator the reader does not know is not read
     model = onnx.load(path)
     node = model.graph.node[-1]
@@ -242,4 +285,3 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
     monkeypatch.setattr("tasks.engines.onnx.batch.faster_in_bf16", lambda *args: pytest.fail("decided twice"))
     second = chosen.batch_decoder()
     assert first._bf16 is path_taken and second._bf16 is path_taken
-    assert second._prompt_session is second._session

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start
-from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16
+from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16, weights_bytes
 from tasks.engines.onnx.errors import engine_says
 from tasks.errors import ArtifactUnreadable
 
@@ -59,8 +59,9 @@ class OrtBatchDecoder(BatchDecoder):
     Long slices in bfloat16: on a CPU with fast bfloat16 matrix products (AMX), the same weights dequantized to
     bfloat16 run prompts ~1.5-2x faster through torch than ONNX Runtime's float kernels, several prompts' slices in
     one call (tasks/engines/onnx/bf16_prompts.py); their keys and values join the graph's cache and the steps stay
-    on the graph. `choose_bf16` decides once per runtime by measuring both on this machine; it takes the float
-    session's place."""
+    on the graph. `choose_bf16` decides once per runtime by measuring both on this machine. It takes the slices of a
+    step that hold `BF16_PROMPT_TOKENS` between them; a lone slice shorter than that still runs on the float
+    session (from `FLOAT_PROMPT_TOKENS`) or the graph."""
 
     chunked_prefill = True  # each prompt slice runs in its own call right after a step (see above)
 
@@ -95,8 +96,9 @@ class OrtBatchDecoder(BatchDecoder):
         self._kv_dtype = np.float16 if inputs[self._past[0]].type == "tensor(float16)" else np.float32
         self._kv_shape = kv_shape
         self._model_path, self._int8_activations = model_path, int8_activations
-        self._bf16 = bf16  # long slices in bfloat16 by torch (`choose_bf16`), in place of the float session
-        if bf16 is None and int8_activations and free_memory() > 2 * _weights_bytes(model_path):
+        self._threads = threads
+        self._bf16 = bf16  # long slices of a step in bfloat16 by torch (`choose_bf16`); a lone one on the float session
+        if int8_activations and free_memory() > 2 * weights_bytes(model_path):
             options.add_session_config_entry("mlas.qnbit.force_fp32", "1")
             # its own thread pool: idle between its calls (long ones) instead of spinning beside the steps' pool
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -120,12 +122,12 @@ class OrtBatchDecoder(BatchDecoder):
     def choose_bf16(self) -> BfloatPrompts | None:
         """Run long prompt slices in bfloat16 from now on where the graph computes with int8 activations (so
         bfloat16 ones lose nothing against what the evaluation measured), its float32 cache is one the path
-        extends, and `faster_in_bf16` finds the path agrees with this decoder's own prompt call and beats it here;
-        the float session then goes. The path chosen, or None."""
+        extends, and `faster_in_bf16` finds the path agrees with this decoder's own prompt call and beats it here.
+        The path chosen, or None."""
         if self._bf16 is None and self._int8_activations and self._kv_dtype == np.float32:
-            self._bf16 = faster_in_bf16(self._model_path, self._past, self._run_alone)
-            if self._bf16 is not None:
-                self._prompt_session = self._session  # the float session is not needed: its weights go
+            self._bf16 = faster_in_bf16(
+                self._model_path, self._past, self._kv_shape, self._threads, self._run_alone
+            )
         return self._bf16
 
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
@@ -346,12 +348,6 @@ def _int8_activations(model: Any) -> bool:
         if node.op_type == "MatMulNBits"
         for attribute in node.attribute
     )
-
-
-def _weights_bytes(model_path: Path) -> int:
-    """The graph's weights on disk: the file beside it (the builder's `model.onnx.data`), else the graph itself."""
-    data = model_path.with_name(model_path.name + ".data")
-    return (data if data.exists() else model_path).stat().st_size
 
 
 def _room_for(tokens: int) -> int:

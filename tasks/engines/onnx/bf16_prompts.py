@@ -5,25 +5,21 @@ Why: on a CPU the builder's int4/int8 graph decodes fastest (a step reads few by
 MatMulNBits, which never reaches AMX: ~200-350 GFLOP/s on a Xeon where oneDNN's bfloat16 matmul reaches ~1 300-1 600
 (docs/results/2026-12-05-serving.md). Under load prompts are most of a server's work. So the ONNX batch decoder
 keeps its steps on the graph and may run long prompt slices here: the same weights (each MatMulNBits dequantized
-once, level x scale, rounded to bfloat16), activations in bfloat16 where the graph's accuracy level 4 rounds them to
-int8 per block, norms and the residual stream in float32 as in the graph. Several prompts' slices share one call
-(projections and MLP over all their tokens, attention per slice after what its row holds).
+once, level x scale, rounded to bfloat16), activations and the residual stream in bfloat16 where the graph's
+accuracy level 4 rounds activations to int8 per block, each norm computed in float32 as in the graph. Several
+prompts' slices share one call (projections and MLP over all their tokens, attention per slice after what its row
+holds).
 
-What is read: the model builder's decoder-only graph for a CPU (`GraphWeights.read`): an embedding lookup (a float
-`Gather`, or `GatherBlockQuantized` on the lm_head's own table), per layer a `SimplifiedLayerNormalization` or
-`SkipSimplifiedLayerNormalization`, q/k/v (fused or apart), `GroupQueryAttention` with its rotary caches (not
-interleaved, no window, no softcap), o, gate and up, SiLU (Sigmoid x Mul), down, a final norm and the lm_head; every
-matrix a MatMulNBits (4 or 8 bits, no zero points, no bias) or a float MatMul. A graph with anything else is not
-read (None): its prompts run on ONNX Runtime as before. `BfloatPrompts.check` compares one prompt's last logits with
-the graph's and refuses the path if they differ by more than `AGREEMENT` of the logits' spread.
+What is read (tasks/engines/onnx/graph_weights.py): the builder's Llama-shaped graph for a CPU; any other graph is
+left to ONNX Runtime. `faster_in_bf16` also compares one prompt's last logits and keys/values with ONNX Runtime's
+before the path is used, and refuses it beyond `AGREEMENT` of the logits' spread (`KV_AGREEMENT` of the cache's
+largest value).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from tasks.engines.contract import free_memory
+from tasks.engines.onnx.graph_weights import GraphWeights
 from tasks.engines.pytorch.slots import _Weights
 
 log = logging.getLogger(__name__)
@@ -38,179 +35,12 @@ log = logging.getLogger(__name__)
 # the most a slice's last logits may differ from the graph's, as a share of their spread (largest - smallest):
 # measured 0.4-0.9 % on SmolLM2 int4/int8 graphs and the test model (tests/model/test_onnx_prompts.py)
 AGREEMENT = 0.03
+# ... and its keys/values from the graph's, as a share of the largest one: measured 4.7 % on SmolLM2 int4 mixed (the
+# graph rounds activations to int8); a key at a wrong position, layer or head is off by about its own size
+KV_AGREEMENT = 0.15
 PROBE_TOKENS = 96  # the prompt `faster_in_bf16` times both paths on: a typical served prompt's length
-PROBE_ROUNDS = (
-    3  # ... the best of this many each (the server decides at start, maybe beside other busy processes)
-)
-ALLOWED = {
-    "MatMulNBits",
-    "MatMul",
-    "SimplifiedLayerNormalization",
-    "SkipSimplifiedLayerNormalization",
-    "GroupQueryAttention",
-    "Sigmoid",
-    "Mul",
-    "Gather",
-    "GatherBlockQuantized",
-    "Reshape",
-    "Constant",
-    "Cast",
-    "ReduceSum",
-    "Sub",
-    "Shape",
-}
-_LINEAR = re.compile(
-    r"/model/layers\.(\d+)/(attn|mlp)/(qkv_proj|q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)/"
-)
-
-
-@dataclass
-class Layer:
-    norms: list[Any] = field(default_factory=list)  # input and post-attention RMSNorm weights (float32)
-    linears: dict[str, Any] = field(default_factory=dict)  # projection name -> [out, in] float32 weight
-
-
-@dataclass
-class GraphWeights:
-    """The weights of a model builder's decoder graph, dequantized to float32 (see the module docstring)."""
-
-    embedding: Any  # [vocabulary, hidden]
-    layers: list[Layer]
-    final_norm: Any
-    lm_head: Any  # [vocabulary, hidden]
-    epsilon: float
-    heads: int
-    kv_heads: int
-    scale: float
-    cos: Any  # [positions, head size / 2]
-    sin: Any
-
-    def matrices(self) -> list[Any]:
-        return [self.lm_head, *(m for layer in self.layers for m in layer.linears.values())]  # tensors
-
-    @classmethod
-    def read(cls, model_path: Path) -> GraphWeights | None:
-        """The graph's weights, or None where the graph is not one this module computes."""
-        import onnx
-        from onnx import numpy_helper
-
-        model = onnx.load(model_path)  # with its weights
-        nodes = list(model.graph.node)
-        if any(node.op_type not in ALLOWED for node in nodes):
-            return None
-        weights = {item.name: item for item in model.graph.initializer}
-        array = _Arrays(weights, numpy_helper)
-        attention = [node for node in nodes if node.op_type == "GroupQueryAttention"]
-        if not attention or not all(_plain_attention(node) for node in attention):
-            return None
-        first = _attributes(attention[0])
-        layers = [Layer() for _ in attention]
-        lm_head = embedding = final_norm = None
-        epsilon = None
-        for node in nodes:
-            kind, attributes = node.op_type, _attributes(node)
-            if kind in ("MatMulNBits", "MatMul"):
-                matrix = array.linear(node)
-                if matrix is None:
-                    return None
-                found = _LINEAR.match(node.name)
-                if found:
-                    layers[int(found.group(1))].linears[found.group(3)] = matrix
-                elif "logits" in node.output:
-                    lm_head = matrix
-                else:
-                    return None
-            elif kind.endswith("SimplifiedLayerNormalization"):
-                epsilon = attributes.get("epsilon", 1e-5)
-                gamma = array.get(node.input[-1] if kind.startswith("Skip") else node.input[1])
-                layer = re.match(r"/model/layers\.(\d+)/", node.name)
-                if gamma is None or layer is None:
-                    return None
-                index = int(layer.group(1))
-                if index < len(layers):
-                    layers[index].norms.append(gamma)
-                else:
-                    final_norm = gamma
-            elif kind == "Gather" and node.input[0] in weights:
-                embedding = array.get(node.input[0])
-            elif kind == "GatherBlockQuantized":
-                embedding = "lm_head"  # the lm_head's own table, reshaped (checked against it below)
-        if any(len(layer.norms) != 2 or not _complete(layer.linears) for layer in layers):
-            return None
-        if lm_head is None or final_norm is None or embedding is None:
-            return None
-        if isinstance(embedding, str):
-            embedding = lm_head
-        cos, sin = array.get(attention[0].input[7]), array.get(attention[0].input[8])
-        if cos is None or sin is None:
-            return None
-        heads, kv_heads = first["num_heads"], first["kv_num_heads"]
-        head_size = cos.shape[1] * 2
-        scale = first.get("scale") or head_size**-0.5
-        return cls(embedding, layers, final_norm, lm_head, epsilon, heads, kv_heads, scale, cos, sin)
-
-
-class _Arrays:
-    """Initializers as float32 tensors; MatMulNBits dequantized to [out, in] (with torch: ~5x numpy's speed)."""
-
-    def __init__(self, weights: dict[str, Any], numpy_helper: Any) -> None:
-        self._weights, self._helper = weights, numpy_helper
-
-    def get(self, name: str) -> Any:
-        import torch
-
-        item = self._weights.get(name)
-        return None if item is None else torch.from_numpy(self._helper.to_array(item).astype(np.float32))
-
-    def linear(self, node: Any) -> Any:
-        import torch
-
-        if node.op_type == "MatMul":  # a float MatMul: x @ W, W [in, out]
-            weight = self.get(node.input[1])
-            return None if weight is None else weight.T.contiguous()
-        extra = [name for name in node.input[3:] if name]
-        if extra or node.input[1] not in self._weights:  # zero points, g_idx or bias: not read here
-            return None
-        attributes = _attributes(node)
-        bits, block = attributes["bits"], attributes["block_size"]
-        rows, columns = attributes["N"], attributes["K"]
-        if bits not in (4, 8):
-            return None
-        packed = torch.from_numpy(self._helper.to_array(self._weights[node.input[1]]).copy()).reshape(
-            rows, -1
-        )
-        if bits == 4:  # two levels a byte, the low nibble first
-            packed = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, -1)
-        scales = self.get(node.input[2]).reshape(rows, -1)
-        centred = packed.to(torch.float32) - float(1 << (bits - 1))  # no zero points: the middle level is 0
-        blocks = centred.view(rows, scales.shape[1], block) * scales[:, :, None]
-        return blocks.view(rows, -1)[:, :columns]
-
-
-def _attributes(node: Any) -> dict[str, Any]:
-    from onnx import helper
-
-    return {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
-
-
-def _plain_attention(node: Any) -> bool:
-    """Rotary inside the op (not interleaved), no sliding window, no softcap, q/k/v packed in its first input."""
-    attributes = _attributes(node)
-    packed = (
-        len(node.input) > 8 and not node.input[1] and not node.input[2] and node.input[7] and node.input[8]
-    )
-    return bool(
-        packed
-        and attributes.get("do_rotary") == 1
-        and attributes.get("rotary_interleaved", 0) == 0
-        and attributes.get("local_window_size", -1) == -1
-        and not attributes.get("softcap", 0.0)
-    )
-
-
-def _complete(linears: dict[str, Any]) -> bool:
-    attention = "qkv_proj" in linears or {"q_proj", "k_proj", "v_proj"} <= set(linears)
-    return attention and {"o_proj", "gate_proj", "up_proj", "down_proj"} <= set(linears)
+# ... the best of this many each (the server decides at start, maybe beside other busy processes)
+PROBE_ROUNDS = 3
 
 
 class BfloatPrompts:
@@ -241,15 +71,10 @@ class BfloatPrompts:
         self._layers = []
         for layer in weights.layers:
             linears = layer.linears
-            qkv = (
-                [linears["qkv_proj"]]
-                if "qkv_proj" in linears
-                else [linears["q_proj"], linears["k_proj"], linears["v_proj"]]
-            )
             self._layers.append(
                 (
                     layer.norms,
-                    maps(*qkv),
+                    maps(linears["qkv_proj"]),
                     maps(linears["o_proj"]),
                     maps(linears["gate_proj"], linears["up_proj"]),
                     maps(linears["down_proj"]),
@@ -333,58 +158,83 @@ def _rotate(x: Any, cos: Any, sin: Any) -> Any:
 
 
 def faster_in_bf16(
-    model_path: Path, names: list[str], run_alone: Callable[[list[int], list[Any]], tuple[Any, list[Any]]]
+    model_path: Path,
+    names: list[str],
+    kv_shape: tuple[int, int],
+    threads: int,
+    run_alone: Callable[[list[int], list[Any]], tuple[Any, list[Any]]],
 ) -> BfloatPrompts | None:
-    """The bfloat16 path for this graph where it is worth having: the graph is one it reads, the machine has room
-    for its weights, its logits for a probe prompt agree with ONNX Runtime's (`run_alone(tokens, empty cache)`)
-    within `AGREEMENT` of their spread, and it runs that prompt faster here (best of `PROBE_ROUNDS` each). None
-    otherwise (a CPU without bfloat16 matrix instructions, AMX or AVX-512 BF16, is not probed), the verdict in the
-    log."""
-    import time
-
+    """The bfloat16 path for this graph where it is worth having: a CPU with bfloat16 matrix instructions (AMX or
+    AVX-512 BF16; elsewhere not even probed), room for the weights' copies, a graph it reads whose cache is
+    `kv_shape` ([kv heads, head size]), a probe prompt whose last logits and keys/values agree with ONNX Runtime's
+    (`run_alone(tokens, empty cache)`) within `AGREEMENT` and `KV_AGREEMENT`, and that it runs faster here, on
+    `threads` threads (best of `PROBE_ROUNDS` each). None otherwise, the verdict in the log; a graph it misreads
+    so badly that reading or running it fails is logged and left to ONNX Runtime."""
     if not _bf16_matmul_in_hardware():
         log.info(
             "%s: this CPU has no bfloat16 matrix instructions: prompts stay on ONNX Runtime",
             model_path.parent.name,
         )
         return None
-    weights = GraphWeights.read(model_path)
-    if weights is None:
-        log.info("%s: not a graph the bfloat16 prompt path reads", model_path.parent.name)
-        return None
-    if free_memory() < 3 * 2 * sum(m.numel() for m in weights.matrices()):
+    if free_memory() < 10 * weights_bytes(model_path):  # float32 matrices while reading: ~8x int4's bytes
         log.info("%s: no room for a bfloat16 copy of the weights", model_path.parent.name)
         return None
-    prompts = BfloatPrompts(weights, names)
-    size = weights.cos.shape[1] * 2
-    empty = [np.zeros((1, weights.kv_heads, 0, size), np.float32) for _ in names]
-    probe = [(37 * index) % (weights.embedding.shape[0] - 3) + 3 for index in range(PROBE_TOKENS)]
-    calls = {"bf16": lambda: prompts.run([(empty, probe)])[0][0], "onnx": lambda: run_alone(probe, empty)[0]}
-    took, logits = {}, {}
-    for name in [*calls] * PROBE_ROUNDS:  # best of each, interleaved
-        started = time.perf_counter()
-        logits[name] = calls[name]()
-        took[name] = min(took.get(name, float("inf")), time.perf_counter() - started)
-    ours, theirs = logits["bf16"], logits["onnx"]
-    spread = float(theirs.max() - theirs.min())
-    apart = float(np.abs(ours - theirs).max()) / spread if spread else float("inf")
-    if not apart <= AGREEMENT:
-        log.warning(
-            "%s: bfloat16 prompts differ from ONNX Runtime's by %.3f of the logits' spread; not used",
-            model_path,
-            apart,
-        )
+    import torch
+
+    name = model_path.parent.name
+    try:
+        weights = GraphWeights.read(model_path)
+        if weights is None or (weights.kv_heads, weights.cos.shape[1] * 2) != tuple(kv_shape):
+            log.info("%s: not a graph the bfloat16 prompt path reads", name)
+            return None
+        torch.set_num_threads(
+            threads
+        )  # as many as ONNX Runtime's sessions (the process's torch calls share it)
+        prompts = BfloatPrompts(weights, names)
+        empty = [np.zeros((1, *kv_shape[:1], 0, kv_shape[1]), np.float32) for _ in names]
+        probe = [(37 * index) % (weights.embedding.shape[0] - 3) + 3 for index in range(PROBE_TOKENS)]
+        used, verdict = _verdict(lambda: prompts.run([(empty, probe)])[0], lambda: run_alone(probe, empty))
+    except Exception as exc:  # a graph read wrongly: ONNX Runtime runs its prompts, as before
+        log.warning("%s: bfloat16 prompts not used: %s: %s", name, type(exc).__name__, exc)
         return None
-    verdict = "used" if took["bf16"] < took["onnx"] else "not used"
-    log.info(
-        "%s: a %d-token prompt in bfloat16 %.1f ms, on ONNX Runtime %.1f ms: bfloat16 prompts %s",
-        model_path.parent.name,
-        PROBE_TOKENS,
-        1e3 * took["bf16"],
-        1e3 * took["onnx"],
-        verdict,
+    log.info("%s: %s", name, verdict)
+    return prompts if used else None
+
+
+def _verdict(ours: Callable[[], Any], theirs: Callable[[], Any]) -> tuple[bool, str]:
+    """Whether the probe's bfloat16 call (`ours`) agrees with ONNX Runtime's (`theirs`), each giving (last logits,
+    cache), and beats it (best of `PROBE_ROUNDS` each, interleaved); and what was found, in words."""
+    import time
+
+    calls = {"bf16": ours, "onnx": theirs}
+    took, found = {}, {}
+    for name in [*calls] * PROBE_ROUNDS:
+        started = time.perf_counter()
+        found[name] = calls[name]()
+        took[name] = min(took.get(name, float("inf")), time.perf_counter() - started)
+    (logits, cache), (graph_logits, graph_cache) = found["bf16"], found["onnx"]
+    spread = float(graph_logits.max() - graph_logits.min())
+    apart = float(np.abs(logits - graph_logits).max()) / spread if spread else float("inf")
+    cache_apart = max(
+        float(np.abs(mine - kept).max()) / max(float(np.abs(kept).max()), 1e-12)
+        for mine, kept in zip(cache, graph_cache, strict=True)
     )
-    return prompts if verdict == "used" else None
+    if not (apart <= AGREEMENT and cache_apart <= KV_AGREEMENT):
+        return False, (
+            f"bfloat16 prompts differ from ONNX Runtime's by {apart:.3f} of the logits' spread, their keys/values "
+            f"by {cache_apart:.3f} of the largest: not used"
+        )
+    used = took["bf16"] < took["onnx"]
+    return used, (
+        f"a {PROBE_TOKENS}-token prompt in bfloat16 {1e3 * took['bf16']:.1f} ms, on ONNX Runtime "
+        f"{1e3 * took['onnx']:.1f} ms: bfloat16 prompts {'used' if used else 'not used'}"
+    )
+
+
+def weights_bytes(model_path: Path) -> int:
+    """The graph's weights on disk: the file beside it (the builder's `model.onnx.data`), else the graph itself."""
+    data = model_path.with_name(model_path.name + ".data")
+    return (data if data.exists() else model_path).stat().st_size
 
 
 def _bf16_matmul_in_hardware() -> bool:
@@ -407,8 +257,9 @@ def _packs() -> bool:
     if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_reorder_linear_weight"):
         return False
     try:
-        weight = torch.randn(32, 64, dtype=torch.bfloat16)
-        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        seeded = torch.Generator().manual_seed(0)  # the process's own random state untouched
+        weight = torch.randn(32, 64, dtype=torch.bfloat16, generator=seeded)
+        x = torch.randn(3, 64, dtype=torch.bfloat16, generator=seeded)
         got = _Weights([SimpleNamespace(weight=weight, bias=None)], pack=True)(x)
         return bool(torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=0.02, atol=0.02))
     except (RuntimeError, AttributeError):  # a oneDNN build without bfloat16 matmul on this CPU
