@@ -219,7 +219,6 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
 def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_activations(
     int4_runtime, tiny_engine_dir, monkeypatch, tmp_path
 ):
-    import time
 
     import onnx
     from onnx import helper
@@ -234,17 +233,24 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
     assert choice(decoder._run_alone) is None  # no AMX / AVX-512 BF16: not even probed
     monkeypatch.setattr(bf16_prompts, "_bf16_matmul_in_hardware", lambda: True)  # the rest on any CPU
 
+    now = [
+        0.0
+    ]  # the probe's clock, moved by the calls it times: the verdict does not hang on this machine's speed
+    monkeypatch.setattr(bf16_prompts, "clock", lambda: now[0])
+
     def slower(seconds):
         def run_alone(tokens, cache):
-            time.sleep(seconds)
+            now[0] += seconds
             return decoder._run_alone(tokens, cache)
 
         return run_alone
 
-    assert isinstance(choice(slower(0.5)), BfloatPrompts)  # agrees and is faster
+    assert isinstance(choice(slower(0.5)), BfloatPrompts)  # agrees, and ONNX Runtime took longer
     run = BfloatPrompts.run
-    monkeypatch.setattr(BfloatPrompts, "run", lambda self, slices: time.sleep(0.5) or run(self, slices))
-    assert choice(slower(0)) is None  # agrees, but slower here
+    monkeypatch.setattr(
+        BfloatPrompts, "run", lambda self, slices: now.__setitem__(0, now[0] + 0.5) or run(self, slices)
+    )
+    assert choice(slower(0.1)) is None  # agrees, but slower here
     monkeypatch.setattr(BfloatPrompts, "run", run)
 
     def logits_apart(tokens, cache):

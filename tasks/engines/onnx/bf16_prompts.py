@@ -19,6 +19,7 @@ largest value).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,9 +29,10 @@ import numpy as np
 
 from tasks.engines.contract import free_memory
 from tasks.engines.onnx.graph_weights import GraphWeights
-from tasks.engines.pytorch.slots import _Weights
+from tasks.engines.pytorch.slots import _Weights, packed_linear_works
 
 log = logging.getLogger(__name__)
+clock = time.perf_counter  # what the probe times both paths with (tests drive their own)
 
 # the most a slice's last logits may differ from the graph's, as a share of their spread (largest - smallest):
 # measured 0.4-0.9 % on SmolLM2 int4/int8 graphs and the test model (tests/model/test_onnx_prompts.py)
@@ -61,7 +63,8 @@ class BfloatPrompts:
         self._epsilon = weights.epsilon
         self._cos, self._sin = weights.cos, weights.sin
         self._head_size = weights.cos.shape[1] * 2
-        pack = _packs() and bf16 == torch.bfloat16
+        probe = weights.layers[0].linears["o_proj"].to(torch.bfloat16)
+        pack = bf16 == torch.bfloat16 and packed_linear_works(probe)
 
         def maps(*matrices: Any) -> _Weights:
             joined = torch.cat(matrices).to(bf16)
@@ -203,15 +206,14 @@ def faster_in_bf16(
 
 def _verdict(ours: Callable[[], Any], theirs: Callable[[], Any]) -> tuple[bool, str]:
     """Whether the probe's bfloat16 call (`ours`) agrees with ONNX Runtime's (`theirs`), each giving (last logits,
-    cache), and beats it (best of `PROBE_ROUNDS` each, interleaved); and what was found, in words."""
-    import time
-
+    cache), and beats it (best of `PROBE_ROUNDS` each, interleaved, timed by `clock`); and what was found, in
+    words."""
     calls = {"bf16": ours, "onnx": theirs}
     took, found = {}, {}
     for name in [*calls] * PROBE_ROUNDS:
-        started = time.perf_counter()
+        started = clock()
         found[name] = calls[name]()
-        took[name] = min(took.get(name, float("inf")), time.perf_counter() - started)
+        took[name] = min(took.get(name, float("inf")), clock() - started)
     (logits, cache), (graph_logits, graph_cache) = found["bf16"], found["onnx"]
     spread = float(graph_logits.max() - graph_logits.min())
     apart = float(np.abs(logits - graph_logits).max()) / spread if spread else float("inf")
@@ -246,21 +248,3 @@ def _bf16_matmul_in_hardware() -> bool:
     except OSError:
         return True
     return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def _packs() -> bool:
-    """Whether oneDNN's packed bfloat16 linear is there and right on this CPU (see
-    `tasks.engines.pytorch.slots._Weights`): a packed matrix checked against `F.linear` on a few rows."""
-    import torch
-
-    ops = torch.ops.mkldnn
-    if not torch.backends.mkldnn.is_available() or not hasattr(ops, "_reorder_linear_weight"):
-        return False
-    try:
-        seeded = torch.Generator().manual_seed(0)  # the process's own random state untouched
-        weight = torch.randn(32, 64, dtype=torch.bfloat16, generator=seeded)
-        x = torch.randn(3, 64, dtype=torch.bfloat16, generator=seeded)
-        got = _Weights([SimpleNamespace(weight=weight, bias=None)], pack=True)(x)
-        return bool(torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=0.02, atol=0.02))
-    except (RuntimeError, AttributeError):  # a oneDNN build without bfloat16 matmul on this CPU
-        return False

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start
@@ -102,25 +103,29 @@ def _packs(model: Any) -> bool:
     other callers); a packed map checked against the plain one on a few rows first."""
     import torch
 
-    ops = torch.ops.mkldnn
     weight = model.lm_head.weight
-    if (
-        weight.dtype != torch.bfloat16
-        or weight.device.type != "cpu"
-        or not torch.backends.mkldnn.is_available()
-    ):
-        return False
-    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return False
     if free_memory() < 2 * _linear_bytes(model):
         return False
+    return packed_linear_works(model.model.layers[0].self_attn.o_proj.weight)
+
+
+def packed_linear_works(weight: Any) -> bool:
+    """Whether oneDNN's packed bfloat16 linear is in this torch and right on this CPU: `weight` (a bfloat16 [out,
+    in] matrix) packed and applied to a few seeded rows, against `F.linear`."""
+    import torch
+
+    ops = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
     try:
-        probe = model.model.layers[0].self_attn.o_proj
-        x = torch.randn(3, probe.weight.shape[1], dtype=weight.dtype)
-        got = _Weights([probe], pack=True)(x)
-        return bool(
-            torch.allclose(got, torch.nn.functional.linear(x, probe.weight, probe.bias), rtol=0.02, atol=0.02)
-        )
+        seeded = torch.Generator().manual_seed(0)  # the process's own random state untouched
+        x = torch.randn(3, weight.shape[1], generator=seeded).to(weight.dtype)
+        got = _Weights([SimpleNamespace(weight=weight.detach(), bias=None)], pack=True)(x)
+        return bool(torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=0.02, atol=0.02))
     except RuntimeError:  # an oneDNN build without bfloat16 matmul on this CPU
         return False
 
