@@ -98,9 +98,14 @@ class Scheduler(SpeculativeSteps):
             None  # the request whose proposer is current (see _speculative_step)
         )
         self._thread: threading.Thread | None = None
+        # set once the worker has made its decoder: a decoder may time its engines then (the ONNX decoder's
+        # bfloat16 probe), and the caller waits for it so that nothing of its own runs beside that measurement
+        # (a server building its app beside it held the GIL enough to make torch's calls 2-5x slower there)
+        self._ready = threading.Event()
         if own_thread:
             self._thread = threading.Thread(target=self._work, name="llmopt-scheduler", daemon=True)
             self._thread.start()
+            self._ready.wait()
 
     @property
     def queued(self) -> int:
@@ -160,6 +165,8 @@ class Scheduler(SpeculativeSteps):
                 self._end(request, ("error", f"the model's worker stopped: {_first_line(exc)}"))
             if not isinstance(exc, Exception):  # Ctrl-C or an exit where `run` is called: theirs to see
                 raise
+        finally:
+            self._ready.set()  # (a worker that stopped before its decoder was made: closed by now)
 
     def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()
@@ -169,6 +176,7 @@ class Scheduler(SpeculativeSteps):
 
     def _serve(self, running: dict[int, _Running]) -> None:
         decoder = self._decoder()
+        self._ready.set()
         filling: list[_Filling] = []  # prompts joining in slices, first come first fed
         while True:
             with self._wake:

@@ -199,7 +199,7 @@ def test_fused_maps_with_biases_give_each_maps_own_output(pack):
     each map's own, packed or plain."""
     import torch
 
-    from tasks.engines.pytorch.slots import _Weights
+    from tasks.engines.pytorch.linears import LinearMaps
 
     torch.manual_seed(0)
     maps = [
@@ -209,7 +209,7 @@ def test_fused_maps_with_biases_give_each_maps_own_output(pack):
     probe = torch.nn.Linear(64, 8, bias=False).to(torch.bfloat16)
     if pack and not _can_pack(probe):
         pack = False  # this CPU's torch has no oneDNN bfloat16 matmul: the plain path is what runs here
-    fused = _Weights(maps, pack)
+    fused = LinearMaps(maps, pack)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     want = torch.cat([torch.nn.functional.linear(x, m.weight, m.bias) for m in maps], dim=-1)
     got = fused(x)
@@ -222,9 +222,9 @@ def _can_pack(linear) -> bool:
     import torch
 
     try:
-        from tasks.engines.pytorch.slots import _Weights
+        from tasks.engines.pytorch.linears import LinearMaps
 
-        _Weights([linear], True)(torch.zeros(1, linear.weight.shape[1], dtype=torch.bfloat16))
+        LinearMaps([linear], True)(torch.zeros(1, linear.weight.shape[1], dtype=torch.bfloat16))
         return True
     except (RuntimeError, AttributeError):
         return False

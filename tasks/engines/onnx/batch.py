@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start, zeroed
 from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16, weights_bytes
 from tasks.engines.onnx.errors import engine_says
 from tasks.errors import ArtifactUnreadable
@@ -253,7 +253,7 @@ class OrtBatchDecoder(BatchDecoder):
         used = len(self._ids)
         grown = []
         for index in range(len(self._past)):
-            buffer = np.zeros((slots, self._kv_shape[0], capacity, self._kv_shape[1]), self._kv_dtype)
+            buffer = zeroed((slots, self._kv_shape[0], capacity, self._kv_shape[1]), self._kv_dtype)
             if self._store:
                 old = self._store[index]
                 buffer[:used, :, : old.shape[2]] = old[:used]

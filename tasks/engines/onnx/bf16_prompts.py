@@ -29,7 +29,7 @@ import numpy as np
 
 from tasks.engines.contract import free_memory
 from tasks.engines.onnx.graph_weights import GraphWeights
-from tasks.engines.pytorch.slots import _Weights, packed_linear_works
+from tasks.engines.pytorch.linears import LinearMaps, packed_linear_works
 
 log = logging.getLogger(__name__)
 clock = time.perf_counter  # what the probe times both paths with (tests drive their own)
@@ -66,9 +66,9 @@ class BfloatPrompts:
         probe = weights.layers[0].linears["o_proj"].to(torch.bfloat16)
         pack = bf16 == torch.bfloat16 and packed_linear_works(probe)
 
-        def maps(*matrices: Any) -> _Weights:
+        def maps(*matrices: Any) -> LinearMaps:
             joined = torch.cat(matrices).to(bf16)
-            return _Weights([SimpleNamespace(weight=joined, bias=None)], pack)
+            return LinearMaps([SimpleNamespace(weight=joined, bias=None)], pack)
 
         self._embedding = weights.embedding.to(bf16)
         self._layers = []
@@ -115,40 +115,60 @@ class BfloatPrompts:
             width, size = len(ids), self._head_size
             heads, kv_heads = self._heads, self._kv_heads
             caches: list[list[Any]] = [[None] * self._inputs for _ in slices]
-            for (at_k, at_v), (norms, qkv, out, gate_up, down) in zip(self._order, self._layers, strict=True):
+            for at, (norms, qkv, out, gate_up, down) in zip(self._order, self._layers, strict=True):
                 mixed = qkv(self._norm(hidden, norms[0]))
                 query, key, value = mixed.split([heads * size, kv_heads * size, kv_heads * size], dim=-1)
                 query = _rotate(query.view(width, heads, size).transpose(0, 1), cos, sin)
                 key = _rotate(key.view(width, kv_heads, size).transpose(0, 1), cos, sin)
                 value = value.view(width, kv_heads, size).transpose(0, 1)
-                parts, first = [], 0
-                for index, (cache, _) in enumerate(slices):
-                    count, start = sizes[index], held[index]
-                    new_k, new_v = key[:, first : first + count], value[:, first : first + count]
-                    keys, values = new_k, new_v
-                    if start:
-                        keys = torch.cat([torch.from_numpy(cache[at_k][0]).to(bf16), new_k], dim=1)
-                        values = torch.cat([torch.from_numpy(cache[at_v][0]).to(bf16), new_v], dim=1)
-                    caches[index][at_k] = np.concatenate([cache[at_k], new_k.float().numpy()[None]], axis=2)
-                    caches[index][at_v] = np.concatenate([cache[at_v], new_v.float().numpy()[None]], axis=2)
-                    seen = torch.ones(count, start + count, dtype=torch.bool).tril(start) if start else None
-                    attended = F.scaled_dot_product_attention(
-                        query[None, :, first : first + count],
-                        keys[None],
-                        values[None],
-                        attn_mask=seen,
-                        is_causal=not start,
-                        scale=self._scale,
-                        enable_gqa=True,
-                    )
-                    parts.append(attended[0].transpose(0, 1).reshape(count, -1))
-                    first += count
-                hidden = hidden + out(torch.cat(parts))
+                attended = self._attend(query, key, value, slices, at, caches)
+                hidden = hidden + out(attended)
                 gate, up = gate_up(self._norm(hidden, norms[1])).chunk(2, dim=-1)
                 hidden = hidden + down(F.silu(gate) * up)
             last = torch.tensor(np.cumsum(sizes) - 1)
             logits = self._head(self._norm(hidden[last], self._final_norm)).float().numpy()
         return [(logits[index], caches[index]) for index in range(len(slices))]
+
+    def _attend(
+        self,
+        query: Any,
+        key: Any,
+        value: Any,
+        slices: list[tuple[list[np.ndarray], list[int]]],
+        at: tuple[int, int],
+        caches: list[list[Any]],
+    ) -> Any:
+        """One layer's attention, slice by slice after what its row holds (causal from there): query [heads,
+        tokens, size], key and value [kv heads, tokens, size] for all slices' tokens side by side; each slice's
+        keys and values appended to its row's cache (float32, at the layer's cache inputs `at`) into `caches`.
+        The outputs [tokens, heads x size]."""
+        import torch
+        import torch.nn.functional as F
+
+        at_k, at_v = at
+        parts, first = [], 0
+        for index, (cache, tokens) in enumerate(slices):
+            count, start = len(tokens), int(cache[0].shape[2])
+            new_k, new_v = key[:, first : first + count], value[:, first : first + count]
+            keys, values = new_k, new_v
+            if start:
+                keys = torch.cat([torch.from_numpy(cache[at_k][0]).to(self._dtype), new_k], dim=1)
+                values = torch.cat([torch.from_numpy(cache[at_v][0]).to(self._dtype), new_v], dim=1)
+            caches[index][at_k] = np.concatenate([cache[at_k], new_k.float().numpy()[None]], axis=2)
+            caches[index][at_v] = np.concatenate([cache[at_v], new_v.float().numpy()[None]], axis=2)
+            seen = torch.ones(count, start + count, dtype=torch.bool).tril(start) if start else None
+            attended = F.scaled_dot_product_attention(
+                query[None, :, first : first + count],
+                keys[None],
+                values[None],
+                attn_mask=seen,
+                is_causal=not start,
+                scale=self._scale,
+                enable_gqa=True,
+            )
+            parts.append(attended[0].transpose(0, 1).reshape(count, -1))
+            first += count
+        return torch.cat(parts)
 
 
 def _rotate(x: Any, cos: Any, sin: Any) -> Any:

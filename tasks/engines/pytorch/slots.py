@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import threading
 import weakref
-from types import SimpleNamespace
 from typing import Any
 
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start
+from tasks.engines.pytorch.linears import LinearMaps, cache_zeros, packed_linear_works
 
 # decoder layers whose forward is exactly: x + o(attn(rope(q, k), v)) after the input norm, then x + mlp(norm(x))
 STEPPED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
@@ -49,46 +49,6 @@ def steps_in_slots(model: Any) -> bool:
     return stepped and hasattr(sys.modules[type(layers[0].self_attn).__module__], "apply_rotary_pos_emb")
 
 
-class _Weights:
-    """A decoder layer's (or the head's) linear maps as the step calls them: q, k and v in one call, gate and up in
-    one, each the outputs side by side. With `pack` (bfloat16 on a CPU with oneDNN), the maps' weights are joined
-    into one matrix in the blocked layout oneDNN's matmul reads fastest, a copy made once per model and kept: plain
-    `nn.Linear` weights are re-laid out on every call, which at a few rows costs about a third of the step. Without,
-    the model's own weights through `F.linear`, one call per map (no copy)."""
-
-    def __init__(self, linears: list[Any], pack: bool) -> None:
-        import torch
-
-        self.sizes = [linear.weight.shape[0] for linear in linears]
-        self.packed = pack
-        self._linears = [] if pack else list(linears)
-        if not pack:
-            return
-        biases = [linear.bias for linear in linears]
-        self.bias = (
-            None
-            if all(b is None for b in biases)
-            else torch.cat(
-                [
-                    (b if b is not None else linear.weight.new_zeros(linear.weight.shape[0])).detach()
-                    for b, linear in zip(biases, linears, strict=True)
-                ]
-            )
-        )
-        weight = torch.cat([linear.weight.detach() for linear in linears])
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-
-    def __call__(self, x: Any) -> Any:
-        """x [tokens, in] -> [tokens, sum of the maps' outputs]."""
-        import torch
-        import torch.nn.functional as F
-
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        outputs = [F.linear(x, linear.weight, linear.bias) for linear in self._linears]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-
-
 def _linear_bytes(model: Any) -> int:
     return sum(
         module.weight.numel() * module.weight.element_size()
@@ -98,7 +58,7 @@ def _linear_bytes(model: Any) -> int:
 
 
 def _packs(model: Any) -> bool:
-    """Whether the step packs `model`'s linear weights (`_Weights`): bfloat16 on a CPU whose torch has oneDNN's
+    """Whether the step packs `model`'s linear weights (`LinearMaps`): bfloat16 on a CPU whose torch has oneDNN's
     packed linear, with room for the packed copy and as much again to spare (the model's own weights stay for its
     other callers); a packed map checked against the plain one on a few rows first."""
     import torch
@@ -111,45 +71,28 @@ def _packs(model: Any) -> bool:
     return packed_linear_works(model.model.layers[0].self_attn.o_proj.weight)
 
 
-def packed_linear_works(weight: Any) -> bool:
-    """Whether oneDNN's packed bfloat16 linear is in this torch and right on this CPU: `weight` (a bfloat16 [out,
-    in] matrix) packed and applied to a few seeded rows, against `F.linear`."""
-    import torch
-
-    ops = torch.ops.mkldnn
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
-        return False
-    try:
-        seeded = torch.Generator().manual_seed(0)  # the process's own random state untouched
-        x = torch.randn(3, weight.shape[1], generator=seeded).to(weight.dtype)
-        got = _Weights([SimpleNamespace(weight=weight.detach(), bias=None)], pack=True)(x)
-        return bool(torch.allclose(got, torch.nn.functional.linear(x, weight), rtol=0.02, atol=0.02))
-    except RuntimeError:  # an oneDNN build without bfloat16 matmul on this CPU
-        return False
-
-
 # model -> (per layer (qkv, o, gate_up, down), head): built once per model (under the lock), gone with it
 _PACKED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _PACKING = threading.Lock()
 
 
 def _layer_weights(model: Any) -> tuple[list[tuple[Any, Any, Any, Any]], Any]:
-    """The step's linear maps of `model` (see `_Weights`), built on first use and kept while the model lives."""
+    """The step's linear maps of `model` (see `LinearMaps`), built on first use and kept while the model lives."""
     with _PACKING:
         if model not in _PACKED:
             pack = _packs(model)
             layers = [
                 (
-                    _Weights([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack),
-                    _Weights([layer.self_attn.o_proj], pack),
-                    _Weights([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
-                    _Weights([layer.mlp.down_proj], pack),
+                    LinearMaps(
+                        [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], pack
+                    ),
+                    LinearMaps([layer.self_attn.o_proj], pack),
+                    LinearMaps([layer.mlp.gate_proj, layer.mlp.up_proj], pack),
+                    LinearMaps([layer.mlp.down_proj], pack),
                 )
                 for layer in model.model.layers
             ]
-            _PACKED[model] = (layers, _Weights([model.lm_head], pack))
+            _PACKED[model] = (layers, LinearMaps([model.lm_head], pack))
         return _PACKED[model]
 
 
@@ -191,7 +134,6 @@ class SlotBatchDecoder(BatchDecoder):
 
     def _room(self, rows: int, positions: int) -> None:
         """Buffers with at least `rows` rows of `positions` positions (doubling; the rows in use copied over)."""
-        import torch
 
         have_rows, have_positions = (self._keys[0].shape[0], self._keys[0].shape[2]) if self._keys else (0, 0)
         if rows <= have_rows and positions <= have_positions:
@@ -203,10 +145,7 @@ class SlotBatchDecoder(BatchDecoder):
         shape = (new_rows, self._kv_heads, new_positions, self._head_size)
         used = len(self._ids)
         # every new buffer first, then swapped in: running out of memory here leaves the old ones whole
-        grown = [
-            [torch.zeros(shape, dtype=self._dtype, device=self._device) for _ in self._layers]
-            for _ in range(2)
-        ]
+        grown = [[cache_zeros(shape, self._dtype, self._device) for _ in self._layers] for _ in range(2)]
         for old, new in zip((self._keys, self._values), grown, strict=True):
             for layer, buffer in enumerate(old):
                 new[layer][:used, :, :have_positions] = buffer[:used]
