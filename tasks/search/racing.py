@@ -122,23 +122,18 @@ class Standing:
 def judge_round(name: str, speed: SpeedLook | None, accuracy: AccuracyLook | None) -> Standing:
     """A candidate's standing after a round's looks: dropped when surely outside the accuracy budget (before any
     more of its benchmark is spent) or significantly slower than the leader; racing otherwise."""
+    dropped = None
     if accuracy is not None and accuracy.decision == "outside":
-        return Standing(
-            name,
-            speed,
-            accuracy,
+        dropped = (
             f"outside the accuracy budget: perplexity ×{accuracy.ratio:.3f} "
-            f"({accuracy.low:.3f}–{accuracy.high:.3f} at {accuracy.confidence:.1%}) > ×{accuracy.ceiling:.3f}",
+            f"({accuracy.low:.3f}–{accuracy.high:.3f} at {accuracy.confidence:.1%}) > ×{accuracy.ceiling:.3f}"
         )
-    if speed is not None and speed.decision == "slower":
-        return Standing(
-            name,
-            speed,
-            accuracy,
+    elif speed is not None and speed.decision == "slower":
+        dropped = (
             f"slower than the leader: ×{speed.ratio:.3f} ({speed.low:.3f}–{speed.high:.3f} at "
-            f"{speed.confidence:.1%})",
+            f"{speed.confidence:.1%})"
         )
-    return Standing(name, speed, accuracy)
+    return Standing(name, speed, accuracy, dropped)
 
 
 def confirm(candidate: list[float], leader: list[float], alpha: float) -> SpeedLook:
