@@ -170,6 +170,7 @@ class Scheduler(SpeculativeSteps):
 
     def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()
+        decoder.reserve(self.max_batch)
         decoder.reuse_prefixes = self.prefix_reuse
         decoder.retain_tokens = self.prefix_cache_tokens if self.prefix_reuse else 0
         return decoder

@@ -16,6 +16,7 @@ from tasks.engines.onnx.batch import (
     BF16_PROMPT_TOKENS,
     BF16_SLICE_TOKENS,
     FLOAT_PROMPT_TOKENS,
+    RESERVED_POSITIONS,
     OrtBatchDecoder,
     _int8_activations,
 )
@@ -169,10 +170,10 @@ def test_the_graph_read_back_in_float32_computes_what_the_float_session_computes
 
 
 def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_them(int4_runtime):
-    """Two prompts' long slices run in one bfloat16 call (the short one on the graph), their keys and values join the
-    graph's cache, and decoding goes on there: after the prompts and for the steps after them, logits within
-    AGREEMENT of their spread of the decoder without the path (a cache handed over at wrong positions or rotations,
-    or not at all, is far outside that). Greedy answers can part at a near-tie (the bfloat16 prompt is another
+    """Two prompts' long slices run in one bfloat16 call (a short one of the same step with them), their keys and
+    values join the graph's cache, and decoding goes on there: after the prompts and for the steps after them,
+    logits within AGREEMENT of their spread of the decoder without the path (a cache handed over at wrong positions
+    or rotations, or not at all, is far outside that). Greedy answers can part at a near-tie (the bfloat16 prompt is another
     rounding of the same computation), as they can between the float session and the graph."""
     weights = graph_weights(int4_runtime)
     plain = decoder_of(int4_runtime)
@@ -193,11 +194,12 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
         fills = [(first, one[:width], False), (second, two[:width], False), (third, short, True)]
         _, filled = decoder.step_with_prefills({}, fills)
         tokens = {third: [int(np.argmax(filled[third]))]}
+        short_logits = filled[third]
         fills = [(first, one[width:], True), (second, two[width:], True)]
         stepped, filled = decoder.step_with_prefills({third: tokens[third][0]}, fills)
         tokens[third].append(int(np.argmax(stepped[third])))
         tokens.update({s: [int(np.argmax(filled[s]))] for s in (first, second)})
-        logits = [filled[first], filled[second]]
+        logits = [short_logits, filled[first], filled[second]]
         for _ in range(3):  # the same tokens into both decoders: the first one's picks
             picks = answers[0][1] if answers else None
             stepped = decoder.step({s: (picks[s][len(t) - 1] if picks else t[-1]) for s, t in tokens.items()})
@@ -205,7 +207,7 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
                 t.append(int(np.argmax(stepped[s])))
             logits += [stepped[first], stepped[second]]
         answers.append((logits, tokens))
-    assert calls == [[width, width], [width, width]]  # one call per step, the short slice not in it
+    assert calls == [[width, width, len(short)], [width, width]]  # one call per step, the short slice in it
     narrow = [with_bf16.open([])[0] for _ in range(2)]  # wide slices holding fewer than BF16_PROMPT_TOKENS
     fills = [(s, prompts[0][: BF16_SLICE_TOKENS + 1], True) for s in narrow]
     with_bf16.step_with_prefills({s: 5 for s in with_bf16._ids}, fills)
@@ -291,3 +293,20 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
     monkeypatch.setattr("tasks.engines.onnx.batch.faster_in_bf16", lambda *args: pytest.fail("decided twice"))
     second = chosen.batch_decoder()
     assert first._bf16 is path_taken and second._bf16 is path_taken
+
+
+def test_buffers_reserved_before_the_first_request_change_no_answer(int4_runtime):
+    """`reserve` sets up rows and positions ahead (what the server does with max_batch); requests then join and
+    step in them exactly as in buffers grown on demand, and no buffer is reallocated until they outgrow it."""
+    reserved, grown = decoder_of(int4_runtime), decoder_of(int4_runtime)
+    reserved.reserve(8)
+    store = reserved._store[0]
+    assert store.shape[0] == 8 and store.shape[2] >= RESERVED_POSITIONS
+    prompts = [[(k * index) % 200 + 3 for index in range(20 + k)] for k in range(3)]
+    logits = []
+    for decoder in (reserved, grown):
+        rows = [decoder.add(prompt)[0] for prompt in prompts]
+        logits.append([decoder.step({row: 7 for row in rows})[row] for row in rows])
+    assert reserved._store[0] is store
+    for ours, theirs in zip(*logits, strict=True):
+        np.testing.assert_array_equal(ours, theirs)

@@ -23,20 +23,28 @@ class SlowToStart:
     def __init__(self, error: Exception | None = None) -> None:
         self.made = threading.Event()
         self.error = error
+        self.reserved: list[int] = []
 
     def batch_decoder(self):
         time.sleep(0.3)
         if self.error is not None:
             raise self.error
         self.made.set()
-        return type("Decoder", (), {"kv_tokens": None, "chunked_prefill": False, "active": 0, "steps": 0})()
+        fields = {
+            "kv_tokens": None,
+            "chunked_prefill": False,
+            "active": 0,
+            "steps": 0,
+            "reserve": lambda _, rows: self.reserved.append(rows),
+        }
+        return type("Decoder", (), fields)()
 
 
-def test_a_scheduler_is_handed_back_once_its_worker_has_made_its_decoder():
+def test_a_scheduler_is_handed_back_once_its_worker_has_made_its_decoder_with_room_for_max_batch():
     runtime = SlowToStart()
-    scheduler = Scheduler(runtime, max_batch=2, max_queue=2)
+    scheduler = Scheduler(runtime, max_batch=3, max_queue=2)
     try:
-        assert runtime.made.is_set()
+        assert runtime.made.is_set() and runtime.reserved == [3]
         assert scheduler.alive
     finally:
         scheduler.close()

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start, zeroed
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start, touch, zeroed
 from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16, weights_bytes
 from tasks.engines.onnx.errors import engine_says
 from tasks.errors import ArtifactUnreadable
@@ -19,8 +19,8 @@ from tasks.errors import ArtifactUnreadable
 # (docs/results/2026-12-05-serving.md).
 FLOAT_PROMPT_TOKENS = 48
 # Prompt slices run in bfloat16 by torch where the decoder has that path (tasks/engines/onnx/bf16_prompts.py) when
-# the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them; the others run on
-# the graph. Through the server's scheduler (SmolLM2-135M int4 mixed, Xeon with AMX, 2 threads), a lone slice took
+# the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them (the step's other
+# slices then join that call); otherwise on the graph. Through the server's scheduler (SmolLM2-135M int4 mixed, Xeon with AMX, 2 threads), a lone slice took
 # per token 1.1 ms in bfloat16 against 1.55 on the graph at 128-400 tokens, about as long at 64-128 and ~1.3x as
 # long at 32-64 (the bfloat16 weights are twice the graph's bytes, which bound a call of few tokens); several
 # slices in one call share that cost.
@@ -59,9 +59,9 @@ class OrtBatchDecoder(BatchDecoder):
     Long slices in bfloat16: on a CPU with fast bfloat16 matrix products (AMX), the same weights dequantized to
     bfloat16 run prompts ~1.5-2x faster through torch than ONNX Runtime's float kernels, several prompts' slices in
     one call (tasks/engines/onnx/bf16_prompts.py); their keys and values join the graph's cache and the steps stay
-    on the graph. `choose_bf16` decides once per runtime by measuring both on this machine. It takes the slices of a
-    step that hold `BF16_PROMPT_TOKENS` between them; a lone slice shorter than that still runs on the float
-    session (from `FLOAT_PROMPT_TOKENS`) or the graph."""
+    on the graph. `choose_bf16` decides once per runtime by measuring both on this machine. It takes every slice of a
+    step whose long slices hold `BF16_PROMPT_TOKENS` between them; a lone slice shorter than that still runs on
+    the float session (from `FLOAT_PROMPT_TOKENS`) or the graph."""
 
     chunked_prefill = True  # each prompt slice runs in its own call right after a step (see above)
 
@@ -129,6 +129,12 @@ class OrtBatchDecoder(BatchDecoder):
                 self._model_path, self._past, self._kv_shape, self._threads, self._run_alone
             )
         return self._bf16
+
+    def reserve(self, rows: int) -> None:
+        if self._ids:  # (rows in use would be copied: only before the first)
+            return
+        self._reserve(rows, max(self._capacity, RESERVED_POSITIONS))
+        touch(self._store)
 
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
         """A new sequence fed by `step_with_prefills`; with `prompt`, holding already the longest start of it a
@@ -201,15 +207,17 @@ class OrtBatchDecoder(BatchDecoder):
         return logits
 
     def _extend_all(self, fills: list[tuple[int, list[int]]]) -> list[Any]:
-        """Run each (opened sequence, chunk) after what it holds: the slices of `BF16_SLICE_TOKENS` or more in one
-        bfloat16 call where the decoder has that path and they hold `BF16_PROMPT_TOKENS` between them, every other
-        slice in its own call of the graph. The logits after each chunk's last token, in `fills`' order."""
+        """Run each (opened sequence, chunk) after what it holds: all of them in one bfloat16 call where the decoder
+        has that path and the slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` between them, else
+        each in its own call of the graph. The logits after each chunk's last token, in `fills`' order."""
         found: dict[int, Any] = {}
-        wide = [index for index, (_, chunk) in enumerate(fills) if len(chunk) >= BF16_SLICE_TOKENS]
-        if self._bf16 is not None and sum(len(fills[index][1]) for index in wide) >= BF16_PROMPT_TOKENS:
+        wide = sum(len(chunk) for _, chunk in fills if len(chunk) >= BF16_SLICE_TOKENS)
+        if self._bf16 is not None and wide >= BF16_PROMPT_TOKENS:
+            # the step's other slices ride along: a few more rows of the same matmuls cost next to nothing there,
+            # where each took a graph call of its own (~10 ms for the last token of a prompt whose start was reused)
             self.steps += 1
-            slices = [(self._partial[fills[index][0]][1], fills[index][1]) for index in wide]
-            for index, (logits, present) in zip(wide, self._bf16.run(slices), strict=True):
+            slices = [(self._partial[sequence][1], chunk) for sequence, chunk in fills]
+            for index, (logits, present) in enumerate(self._bf16.run(slices)):
                 sequence, chunk = fills[index]
                 self._partial[sequence] = (self._partial[sequence][0] + list(chunk), present)
                 found[index] = logits
@@ -348,6 +356,11 @@ def _int8_activations(model: Any) -> bool:
         if node.op_type == "MatMulNBits"
         for attribute in node.attribute
     )
+
+
+# Positions per row set up before the first request (`reserve`): a prompt of a few hundred tokens and its answer.
+# Memory that is not touched costs nothing (the buffers are zero pages until written).
+RESERVED_POSITIONS = 512
 
 
 def _room_for(tokens: int) -> int:

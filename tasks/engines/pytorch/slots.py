@@ -28,11 +28,13 @@ import threading
 import weakref
 from typing import Any
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start
+from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start, touch
 from tasks.engines.pytorch.linears import LinearMaps, cache_zeros, packed_linear_works
 
 # decoder layers whose forward is exactly: x + o(attn(rope(q, k), v)) after the input norm, then x + mlp(norm(x))
 STEPPED = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+# Positions per row set up before the first request (`reserve`; untouched memory costs nothing)
+RESERVED_POSITIONS = 512
 
 
 def steps_in_slots(model: Any) -> bool:
@@ -131,6 +133,12 @@ class SlotBatchDecoder(BatchDecoder):
     @property
     def active(self) -> int:
         return len(self._ids)
+
+    def reserve(self, rows: int) -> None:
+        if self._ids:  # (rows in use would be copied: only before the first)
+            return
+        self._room(rows, RESERVED_POSITIONS)
+        touch([*self._keys, *self._values])
 
     def _room(self, rows: int, positions: int) -> None:
         """Buffers with at least `rows` rows of `positions` positions (doubling; the rows in use copied over)."""
