@@ -320,27 +320,22 @@ class RetainedPrefixes:
 
 
 def zeroed(shape: tuple[int, ...], dtype: Any) -> Any:
-    """A zero-filled numpy array in memory the kernel may back with 2 MiB pages (Linux's transparent huge pages,
-    asked for with madvise, which is their default mode): a KV-cache buffer of hundreds of MB is touched as the
-    cache fills or grows, and on 4 KiB pages each first touch is a page fault. On a 2-core VM, copying 180 MB of
-    cache into a fresh 4 KiB-page buffer took 0.8-1.7 s and 0.12 s into a huge-page one (a server stalled that
-    long when its buffer grew). Small arrays, and systems without the flag, get numpy's own."""
+    """A zero-filled numpy array on regular pages, for KV-cache buffers of hundreds of MB that are touched while
+    clients wait (as rows join, or when a buffer grows). numpy asks Linux for transparent huge pages on large
+    arrays (madvise), and where the kernel then compacts memory to find them on first touch the server stalls: a
+    16-row ONNX cache growing 256 -> 512 positions took 1.6-2.6 s in a VM with THP in madvise mode (76 ms when huge
+    pages happened to be free), and 0.10-0.15 s on regular pages, every time. Small arrays get numpy's own."""
     import mmap
 
     import numpy as np
 
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if size < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if size < 1 << 20:
         return np.zeros(shape, dtype)
-    region = mmap.mmap(
-        -1, size + HUGE_PAGE_BYTES
-    )  # anonymous: zero-filled; room to start on a 2 MiB boundary
-    region.madvise(mmap.MADV_HUGEPAGE)
-    start = -np.frombuffer(region, np.uint8, count=1).ctypes.data % HUGE_PAGE_BYTES
-    return np.frombuffer(region, dtype, count=int(np.prod(shape)), offset=start).reshape(shape)
-
-
-HUGE_PAGE_BYTES = 2 << 20
+    region = mmap.mmap(-1, size)  # anonymous: zero-filled, its own pages
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype).reshape(shape)
 
 
 def touch(buffers: list[Any]) -> None:

@@ -1,10 +1,9 @@
 """What the server does before and around its first request: a scheduler is handed back only once its worker has
 made its decoder (which may time its engines: nothing of the caller's runs beside that), a decoder that cannot be
-made leaves a closed scheduler, and the KV buffers come zero-filled in memory that may take huge pages."""
+made leaves a closed scheduler, and the KV buffers come zero-filled and writable on regular pages."""
 
 from __future__ import annotations
 
-import mmap
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 from serving.requests import GenerationRequest, SchedulerClosed
 from serving.sampling import Sampling
 from serving.scheduler import Scheduler
-from tasks.engines.contract import HUGE_PAGE_BYTES, zeroed
+from tasks.engines.contract import zeroed
 
 
 class SlowToStart:
@@ -64,10 +63,3 @@ def test_kv_buffers_come_zero_filled_and_writable(shape):
     assert not buffer.any()
     buffer[...] = 1.5
     assert float(buffer.sum()) == 1.5 * buffer.size
-
-
-def test_a_large_kv_buffer_starts_on_a_huge_page_boundary_where_linux_offers_them():
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        pytest.skip("no transparent huge pages on this system")
-    buffer = zeroed((16, 3, 512, 64), np.float32)
-    assert buffer.ctypes.data % HUGE_PAGE_BYTES == 0

@@ -51,7 +51,7 @@ class LinearMaps:
 
 
 def cache_zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
-    """torch.zeros; on a CPU in memory that may take huge pages (`zeroed`: a growing cache's copy is faster)."""
+    """torch.zeros; on a CPU on regular pages (`zeroed`: no stall for huge pages while clients wait)."""
     import numpy as np
     import torch
 
