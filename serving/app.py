@@ -308,9 +308,10 @@ def keep_freed_memory() -> None:
     """Have glibc keep the memory the engines free for their next call instead of handing it back to the kernel:
     blocks up to 32 MB come from the heap rather than their own mappings, and the heap is trimmed only beyond 1 GB
     free. Each prompt call allocates its activations afresh; given back, they were taken again page by page on the
-    next call — in a VM whose freed pages go back to the host, ~19 000 page faults in a 16-request burst's bfloat16
-    call (~460 ms), ~550 with this (~390 ms), and the c16 TTFT p95 from ~630 to ~510 ms (docs/serving.md). The
-    process keeps its peak instead (a server's steady state). Nothing where the C library is not glibc."""
+    next call. Measured on a 2-core VM (one run each, different bursts): a 16-request burst's bfloat16 prompt call
+    took 7 700-19 000 page faults and ~0.5 s for 900-1 200 tokens, with this ~550 faults and 0.39 s for 880; the
+    c16 TTFT p95 of a fresh server 628-637 ms before, 506-570 after (docs/results/2026-12-06-serving-memory.md).
+    The process keeps its peak instead (a server's steady state). Nothing where the C library is not glibc."""
     import ctypes
     import ctypes.util
 
