@@ -74,7 +74,23 @@ class LoadedModel:
 
     def retire(self) -> None:
         """After a swap: finish the requests it holds, then let go of the engine (in the background)."""
-        threading.Thread(target=self.scheduler.close, name="llmopt-retire", daemon=True).start()
+        held = [self.scheduler]  # handed over, so that nothing of the thread's own keeps the engine alive
+        threading.Thread(target=_retire, args=(held,), name="llmopt-retire", daemon=True).start()
+
+
+def _retire(held: list[Scheduler]) -> None:
+    """Close a swapped-out version's scheduler, then collect it: what the server loaded at start is frozen out of
+    the collector's way (`gc.freeze` in serving/app.py), and frozen objects in reference cycles are never freed, so
+    the first version's engine would stay in memory for the server's life. One full collection per swap."""
+    import gc
+
+    scheduler = held.pop()
+    scheduler.close()
+    del scheduler
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
 
 class ServedModel:

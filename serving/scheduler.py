@@ -102,10 +102,14 @@ class Scheduler(SpeculativeSteps):
         # bfloat16 probe), and the caller waits for it so that nothing of its own runs beside that measurement
         # (a server building its app beside it held the GIL enough to make torch's calls 2-5x slower there)
         self._ready = threading.Event()
+        self._failed_start: BaseException | None = None  # why the worker stopped before its decoder was made
         if own_thread:
             self._thread = threading.Thread(target=self._work, name="llmopt-scheduler", daemon=True)
             self._thread.start()
-            self._ready.wait()
+            while not self._ready.wait(1.0) and self._thread.is_alive():
+                pass
+            if self._failed_start is not None:  # a version whose engine cannot start is not loaded
+                raise self._failed_start
 
     @property
     def queued(self) -> int:
@@ -157,6 +161,8 @@ class Scheduler(SpeculativeSteps):
             self._serve(running)
         except BaseException as exc:  # the worker cannot go on: end every request it holds, refuse new ones
             log.exception("scheduler worker stopped")
+            if not self._ready.is_set():
+                self._failed_start = exc
             with self._wake:
                 self._closed = True
                 orphans = [*(item.request for item in running.values()), *self._queue]
@@ -170,7 +176,13 @@ class Scheduler(SpeculativeSteps):
 
     def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()
-        decoder.reserve(self.max_batch)
+        if (
+            not self._ready.is_set()
+        ):  # the first one: rows set up ahead (after a failed step, nobody waits less)
+            try:
+                decoder.reserve(self.max_batch)
+            except Exception:  # room set up ahead saves time only: without it rows take memory as they join
+                log.warning("could not set up KV rows ahead of the first request", exc_info=True)
         decoder.reuse_prefixes = self.prefix_reuse
         decoder.retain_tokens = self.prefix_cache_tokens if self.prefix_reuse else 0
         return decoder

@@ -325,15 +325,16 @@ def zeroed(shape: tuple[int, ...], dtype: Any) -> Any:
     arrays (madvise), and where the kernel then compacts memory to find them on first touch the server stalls: a
     16-row ONNX cache growing 256 -> 512 positions took 1.6-2.6 s in a VM with THP in madvise mode (76 ms when huge
     pages happened to be free), and 0.10-0.15 s on regular pages, every time. Small arrays get numpy's own."""
+    import contextlib
     import mmap
 
     import numpy as np
 
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if size < 1 << 20:
+    if size < 1 << 20 or not hasattr(mmap, "MAP_PRIVATE"):
         return np.zeros(shape, dtype)
-    region = mmap.mmap(-1, size)  # anonymous: zero-filled, its own pages
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous: zero-filled pages of this process alone
+    with contextlib.suppress(AttributeError, OSError):  # a system (or kernel build) without huge pages
         region.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(region, dtype).reshape(shape)
 

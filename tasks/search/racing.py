@@ -3,9 +3,11 @@ variant), each dropped as soon as it is significantly slower than the leader or 
 budget, the survivors measured in full, the winner confirmed on fresh measurements before the gate.
 
 The error rate is spent across the rounds (Bonferroni over the planned looks): each of the `rounds` looks at a
-candidate uses an interval at level 1 - alpha / rounds, so the chance that any look misreads the candidate is at
-most alpha whatever round the race stops at — stopping early costs no validity (the looks' intervals cover
-together, not each alone). Speed is read as the geometric mean of paired ratios (candidate ÷ leader, back-to-back
+candidate uses an interval at level 1 - alpha / rounds, so the chance that any of its speed looks misreads it is
+at most alpha (as far as the t interval holds) whatever round the race stops at — stopping early costs no
+validity, looking more often than `rounds` does (the driver must not). The bound is per candidate: across many
+candidates, a false drop of one of them is likelier than alpha (what matters is the winner, confirmed apart). The
+accuracy looks' bootstrap at these levels is approximate (few resamples in each tail at 1 - alpha/rounds). Speed is read as the geometric mean of paired ratios (candidate ÷ leader, back-to-back
 runs, as `paired_speed_ratio` pairs them) with a Student t interval on the log ratios, which holds at the few
 pairs a round has where a bootstrap's percentiles do not. Accuracy is read as the paired perplexity ratio to the
 baseline on the same windows (the bootstrap of tasks/decide/statistics.py, at the look's level).

@@ -72,7 +72,12 @@ def expand(space: dict[str, dict[str, list[Any]]]) -> Space:
             except ValidationError as exc:
                 count, reason = count + 1, reason or _refusal(technique, exc)
                 continue
-            candidates.append(Candidate(_name(technique, choices), technique, choices, variant))
+            name = _name(technique, choices)
+            if any(candidate.name == name for candidate in candidates):
+                raise ConfigError(
+                    f"{SOURCE}.{technique}: two combinations would both be named {name!r}: {choices}"
+                )
+            candidates.append(Candidate(name, technique, choices, variant))
         if count:
             refused[technique] = (count, reason)
         if not any(candidate.technique == technique for candidate in candidates):

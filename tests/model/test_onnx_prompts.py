@@ -205,7 +205,7 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
             stepped = decoder.step({s: (picks[s][len(t) - 1] if picks else t[-1]) for s, t in tokens.items()})
             for s, t in tokens.items():
                 t.append(int(np.argmax(stepped[s])))
-            logits += [stepped[first], stepped[second]]
+            logits += [stepped[first], stepped[second], stepped[third]]
         answers.append((logits, tokens))
     assert calls == [[width, width, len(short)], [width, width]]  # one call per step, the short slice in it
     narrow = [with_bf16.open([])[0] for _ in range(2)]  # wide slices holding fewer than BF16_PROMPT_TOKENS

@@ -4,14 +4,13 @@ made leaves a closed scheduler, and the KV buffers come zero-filled and writable
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from serving.requests import GenerationRequest, SchedulerClosed
-from serving.sampling import Sampling
 from serving.scheduler import Scheduler
 from tasks.engines.contract import zeroed
 
@@ -23,6 +22,7 @@ class SlowToStart:
         self.made = threading.Event()
         self.error = error
         self.reserved: list[int] = []
+        self.reserve_error: Exception | None = None
 
     def batch_decoder(self):
         time.sleep(0.3)
@@ -34,9 +34,14 @@ class SlowToStart:
             "chunked_prefill": False,
             "active": 0,
             "steps": 0,
-            "reserve": lambda _, rows: self.reserved.append(rows),
+            "reserve": lambda _, rows: self.reserve(rows),
         }
         return type("Decoder", (), fields)()
+
+    def reserve(self, rows: int) -> None:
+        if self.reserve_error is not None:
+            raise self.reserve_error
+        self.reserved.append(rows)
 
 
 def test_a_scheduler_is_handed_back_once_its_worker_has_made_its_decoder_with_room_for_max_batch():
@@ -49,17 +54,58 @@ def test_a_scheduler_is_handed_back_once_its_worker_has_made_its_decoder_with_ro
         scheduler.close()
 
 
-def test_a_decoder_that_cannot_be_made_leaves_a_closed_scheduler_not_a_hung_caller():
-    scheduler = Scheduler(SlowToStart(RuntimeError("no engine")), max_batch=2, max_queue=2)
-    request = GenerationRequest([1, 2], 1, Sampling(), on_event=lambda event: None)
-    with pytest.raises(SchedulerClosed):
-        scheduler.submit(request)
+def test_a_decoder_that_cannot_be_made_fails_the_scheduler_its_caller_makes():
+    """A version whose engine cannot start is not loaded (the server keeps serving what it has): the worker's
+    error, raised where the scheduler is made."""
+    with pytest.raises(RuntimeError, match="no engine"):
+        Scheduler(SlowToStart(RuntimeError("no engine")), max_batch=2, max_queue=2)
+
+
+def test_kv_rows_that_cannot_be_set_up_ahead_are_taken_as_they_join():
+    runtime = SlowToStart()
+    runtime.reserve_error = MemoryError("no room")
+    scheduler = Scheduler(runtime, max_batch=2, max_queue=2)
+    try:
+        assert scheduler.alive
+    finally:
+        scheduler.close()
 
 
 @pytest.mark.parametrize("shape", [(2, 3), (16, 3, 512, 64)])
 def test_kv_buffers_come_zero_filled_and_writable(shape):
     buffer = zeroed(shape, np.float32)
     assert buffer.shape == shape and buffer.dtype == np.float32
+    if buffer.nbytes >= 1 << 20:  # its own mapping, not numpy's allocation (which asks for huge pages)
+        base = buffer
+        while isinstance(base, np.ndarray | memoryview):
+            base = base.base if isinstance(base, np.ndarray) else base.obj
+        assert isinstance(base, mmap.mmap)
     assert not buffer.any()
     buffer[...] = 1.5
     assert float(buffer.sum()) == 1.5 * buffer.size
+
+
+def test_a_retired_version_is_freed_though_what_the_server_loaded_at_start_is_frozen():
+    """The server freezes what it loaded out of the collector's way; a version swapped out later must still be
+    freed, reference cycles included (only the collector frees those)."""
+    import gc
+    import weakref
+
+    from serving.models import LoadedModel
+
+    runtime = SlowToStart()
+    runtime.cycle = runtime  # a reference cycle, as engines' objects have
+    loaded = LoadedModel("1", runtime, Scheduler(runtime, max_batch=2, max_queue=2))
+    gone = weakref.ref(runtime)
+    gc.collect()
+    gc.freeze()
+    try:
+        del runtime
+        loaded.retire()
+        del loaded
+        deadline = time.monotonic() + 10
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone() is None
+    finally:
+        gc.unfreeze()

@@ -257,7 +257,8 @@ class OrtBatchDecoder(BatchDecoder):
         copied in, where the one there is too small."""
         if self._store and rows <= self._store[0].shape[0] and capacity <= self._capacity:
             return
-        slots = max(rows, 2 * self._store[0].shape[0] if self._store else 4)
+        have = self._store[0].shape[0] if self._store else 0
+        slots = have if rows <= have else max(rows, 2 * have, 4)  # more positions alone: the same rows
         used = len(self._ids)
         grown = []
         for index in range(len(self._past)):
