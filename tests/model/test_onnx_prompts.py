@@ -310,3 +310,32 @@ def test_buffers_reserved_before_the_first_request_change_no_answer(int4_runtime
     assert reserved._store[0] is store
     for ours, theirs in zip(*logits, strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_a_reused_prompts_last_token_rides_in_the_bf16_call_after_its_copied_start(int4_runtime):
+    """A newcomer whose prompt starts like a running row's holds that start already (copied keys and values) and
+    has one token left: in a step with a long slice it runs in the bfloat16 call, after the copied positions, and
+    its logits there and after the next step stay within AGREEMENT of the decoder without the path."""
+    weights = graph_weights(int4_runtime)
+    plain = decoder_of(int4_runtime)
+    with_bf16 = decoder_of(int4_runtime, BfloatPrompts(weights, plain._past))
+    calls: list[list[int]] = []
+    run = with_bf16._bf16.run
+    with_bf16._bf16.run = lambda slices: calls.append([len(t) for _, t in slices]) or run(slices)
+    start = [(5 * index) % 240 + 5 for index in range(40)]
+    long = [(11 * index) % 240 + 5 for index in range(BF16_PROMPT_TOKENS)]
+    found = []
+    for decoder in (with_bf16, plain):
+        running, _ = decoder.add(start + [9])
+        newcomer, held = decoder.open(start + [17])
+        other, _ = decoder.open([])
+        assert held == len(start)
+        stepped, filled = decoder.step_with_prefills(
+            {running: 3}, [(newcomer, [17], True), (other, long, True)]
+        )
+        after = decoder.step({running: 4, newcomer: 5, other: 6})
+        found.append([filled[newcomer], after[newcomer], filled[other], after[other]])
+    assert calls[-1] == [1, BF16_PROMPT_TOKENS]  # the last token in the same call as the long slice
+    for ours, theirs in zip(*found, strict=True):
+        spread = float(theirs.max() - theirs.min())
+        assert float(np.abs(ours - theirs).max()) <= AGREEMENT * spread
