@@ -176,9 +176,8 @@ class Scheduler(SpeculativeSteps):
 
     def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()
-        if (
-            not self._ready.is_set()
-        ):  # the first one: rows set up ahead (after a failed step, nobody waits less)
+        # the first decoder sets up its rows ahead (one made after a failed step would only make requests wait)
+        if not self._ready.is_set():
             try:
                 decoder.reserve(self.max_batch)
             except Exception:  # room set up ahead saves time only: without it rows take memory as they join

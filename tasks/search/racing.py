@@ -7,9 +7,10 @@ candidate uses an interval at level 1 - alpha / rounds, so the chance that any o
 at most alpha (as far as the t interval holds) whatever round the race stops at — stopping early costs no
 validity, looking more often than `rounds` does (the driver must not). The bound is per candidate: across many
 candidates, a false drop of one of them is likelier than alpha (what matters is the winner, confirmed apart). The
-accuracy looks' bootstrap at these levels is approximate (few resamples in each tail at 1 - alpha/rounds). Speed is read as the geometric mean of paired ratios (candidate ÷ leader, back-to-back
-runs, as `paired_speed_ratio` pairs them) with a Student t interval on the log ratios, which holds at the few
-pairs a round has where a bootstrap's percentiles do not. Accuracy is read as the paired perplexity ratio to the
+accuracy looks' bootstrap at these levels is approximate (few resamples in each tail at 1 - alpha/rounds).
+Speed is read as the geometric mean of paired ratios (candidate ÷ leader, back-to-back runs, as
+`paired_speed_ratio` pairs them) with a Student t interval on the log ratios, which holds at the few pairs a
+round has where a bootstrap's percentiles do not. Accuracy is read as the paired perplexity ratio to the
 baseline on the same windows (the bootstrap of tasks/decide/statistics.py, at the look's level).
 
 The winner's curse: the best of many noisy candidates looks better than it is, so the winner's ratio is read

@@ -90,11 +90,8 @@ def _refusal(technique: str, exc: ValidationError) -> str:
     first = exc.errors()[0]
     loc = [part for part in first["loc"] if not (isinstance(part, str) and "[" in part)]
     message = first["msg"].removeprefix("Value error, ")
-    if len(loc) > 3 and loc[:3] == [
-        "steps",
-        0,
-        technique,
-    ]:  # one setting's value: wrong whatever it is combined with
+    # one setting's own value refused: wrong whatever it is combined with
+    if len(loc) > 3 and loc[:3] == ["steps", 0, technique]:
         key = ".".join(str(part) for part in loc[3:])
         raise ConfigError(f"{SOURCE}.{technique}.{key}: {message}, got {first.get('input')!r}")
     return message
@@ -127,8 +124,7 @@ def _hint(word: str, allowed: list[str]) -> str:
 
 def variant_block(candidate: Candidate) -> str:
     """The candidate as a `variants:` entry of params.yaml (indented for that section), ready to paste or keep."""
-    recipe = {
-        candidate.name: {"steps": [{candidate.technique: candidate.choices}]}
-    }  # as the space was written
+    steps = [{candidate.technique: candidate.choices}]  # as the space was written, defaults left out
+    recipe = {candidate.name: {"steps": steps}}
     text = yaml.safe_dump(recipe, sort_keys=False, default_flow_style=None, width=110)
     return "".join(f"  {line}\n" for line in text.splitlines())

@@ -173,8 +173,8 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
     """Two prompts' long slices run in one bfloat16 call (a short one of the same step with them), their keys and
     values join the graph's cache, and decoding goes on there: after the prompts and for the steps after them,
     logits within AGREEMENT of their spread of the decoder without the path (a cache handed over at wrong positions
-    or rotations, or not at all, is far outside that). Greedy answers can part at a near-tie (the bfloat16 prompt is another
-    rounding of the same computation), as they can between the float session and the graph."""
+    or rotations, or not at all, is far outside that). Greedy answers can part at a near-tie (the bfloat16 prompt
+    is another rounding of the same computation), as they can between the float session and the graph."""
     weights = graph_weights(int4_runtime)
     plain = decoder_of(int4_runtime)
     with_bf16 = decoder_of(int4_runtime, BfloatPrompts(weights, plain._past))
@@ -221,7 +221,6 @@ def test_long_slices_of_a_step_run_in_one_bf16_call_and_the_graph_decodes_after_
 def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_activations(
     int4_runtime, tiny_engine_dir, monkeypatch, tmp_path
 ):
-
     import onnx
     from onnx import helper
 
@@ -235,9 +234,8 @@ def test_the_bf16_path_is_taken_only_where_it_agrees_pays_and_the_graph_rounds_a
     assert choice(decoder._run_alone) is None  # no AMX / AVX-512 BF16: not even probed
     monkeypatch.setattr(bf16_prompts, "_bf16_matmul_in_hardware", lambda: True)  # the rest on any CPU
 
-    now = [
-        0.0
-    ]  # the probe's clock, moved by the calls it times: the verdict does not hang on this machine's speed
+    # the probe's clock, moved by the calls it times: the verdict does not hang on this machine's speed
+    now = [0.0]
     monkeypatch.setattr(bf16_prompts, "clock", lambda: now[0])
 
     def slower(seconds):

@@ -1,12 +1,12 @@
 """What the server does before and around its first request: a scheduler is handed back only once its worker has
 made its decoder (which may time its engines: nothing of the caller's runs beside that), a decoder that cannot be
-made leaves a closed scheduler, and the KV buffers come zero-filled and writable on regular pages."""
+made fails the scheduler's construction, a retired version is freed, and the KV buffers come zero-filled and
+writable on their own pages."""
 
 from __future__ import annotations
 
 import mmap
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,16 +16,19 @@ from tasks.engines.contract import zeroed
 
 
 class SlowToStart:
-    """A runtime whose batch decoder takes a while to make (as the ONNX decoder's bfloat16 probe does), or fails."""
+    """A runtime whose batch decoder is made only once `release` is set (as the ONNX decoder's bfloat16 probe
+    takes a while), or fails; `asked` is set when the worker starts making it."""
 
     def __init__(self, error: Exception | None = None) -> None:
-        self.made = threading.Event()
+        self.asked, self.release, self.made = threading.Event(), threading.Event(), threading.Event()
+        self.release.set()  # by default no wait: tests that watch the wait clear it
         self.error = error
         self.reserved: list[int] = []
         self.reserve_error: Exception | None = None
 
     def batch_decoder(self):
-        time.sleep(0.3)
+        self.asked.set()
+        assert self.release.wait(30), "the test never let the decoder be made"
         if self.error is not None:
             raise self.error
         self.made.set()
@@ -46,7 +49,15 @@ class SlowToStart:
 
 def test_a_scheduler_is_handed_back_once_its_worker_has_made_its_decoder_with_room_for_max_batch():
     runtime = SlowToStart()
-    scheduler = Scheduler(runtime, max_batch=3, max_queue=2)
+    runtime.release.clear()
+    made: list[Scheduler] = []
+    constructing = threading.Thread(target=lambda: made.append(Scheduler(runtime, max_batch=3, max_queue=2)))
+    constructing.start()
+    assert runtime.asked.wait(30)
+    assert constructing.is_alive() and not made  # the decoder is being made: the caller still waits
+    runtime.release.set()
+    constructing.join(30)
+    scheduler = made[0]
     try:
         assert runtime.made.is_set() and runtime.reserved == [3]
         assert scheduler.alive
@@ -103,9 +114,8 @@ def test_a_retired_version_is_freed_though_what_the_server_loaded_at_start_is_fr
         del runtime
         loaded.retire()
         del loaded
-        deadline = time.monotonic() + 10
-        while gone() is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        for thread in [t for t in threading.enumerate() if t.name == "llmopt-retire"]:
+            thread.join(30)  # closed, then collected
         assert gone() is None
     finally:
         gc.unfreeze()

@@ -20,10 +20,10 @@ from tasks.errors import ArtifactUnreadable
 FLOAT_PROMPT_TOKENS = 48
 # Prompt slices run in bfloat16 by torch where the decoder has that path (tasks/engines/onnx/bf16_prompts.py) when
 # the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them (the step's other
-# slices then join that call); otherwise on the graph. Through the server's scheduler (SmolLM2-135M int4 mixed, Xeon with AMX, 2 threads), a lone slice took
-# per token 1.1 ms in bfloat16 against 1.55 on the graph at 128-400 tokens, about as long at 64-128 and ~1.3x as
-# long at 32-64 (the bfloat16 weights are twice the graph's bytes, which bound a call of few tokens); several
-# slices in one call share that cost.
+# slices then join that call); otherwise on the graph. Through the server's scheduler (SmolLM2-135M int4 mixed,
+# Xeon with AMX, 2 threads), a lone slice took per token 1.1 ms in bfloat16 against 1.55 on the graph at 128-400
+# tokens, about as long at 64-128 and ~1.3x as long at 32-64 (the bfloat16 weights are twice the graph's bytes,
+# which bound a call of few tokens); several slices in one call share that cost.
 BF16_SLICE_TOKENS = 16
 BF16_PROMPT_TOKENS = 96
 
