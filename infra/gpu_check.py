@@ -7,12 +7,17 @@ engine and benchmark code, on a generated Llama (nothing is downloaded), written
 It needs only torch, transformers and pydantic besides the source tree (optional: torchao, bitsandbytes,
 optimum-quanto; a technique whose package is missing is `skipped` with that reason), so it runs on a bare CUDA
 image with a few carried wheels. An internal deadline (`--deadline-s`) keeps one run inside the time a borrowed
-GPU allows; techniques not reached are `skipped` with the reason. Output: `gpu-check.json` or $GPU_CHECK_OUT.
+GPU allows; techniques not reached are `skipped` with the reason. They run in tiers, so one loan always yields the
+headline: tier 1 is the fp32 reference's logits, the compiled decode loop in bf16, int8 and int4, and the request
+mix served through the scheduler at 16 clients; then FP8, bitsandbytes, the SDPA kernels, GPTQ and the eager rows
+(`--only a,b` runs the ones a loan did not reach). Output: `gpu-check.json` or $GPU_CHECK_OUT. Exit status 1 when
+a technique that ran failed (a skip names the missing hardware, package or the deadline).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -21,7 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,51 +36,77 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # llmopt's modules
 @dataclass(frozen=True)
 class Check:
     """One technique to try: its recipe and the packages it needs. Whether the device can run it is llmopt's own
-    pre-flight answer (tasks.targets), so the script skips what `llmopt run` would refuse, with the same line."""
+    pre-flight answer (tasks.targets), so the script skips what `llmopt run` would refuse, with the same line.
+    `served`: also replay a request mix through the server's scheduler at 16 clients (`SERVED_CLIENTS`)."""
 
     technique: str
     recipe: dict[str, Any]
     packages: tuple[str, ...] = ()
     ranks: int = 1  # target.tensor_parallel
+    tier: int = 2  # tier 1 runs first: one loan always yields the headline rows
+    served: bool = False
+    timed: bool = (
+        True  # False: logits and memory only (the fp32 reference: its eager speed is in tier 2's rows)
+    )
+    batches: tuple[int, ...] = (1, 8)  # each one more compile of a compiled loop (~30-60 s on a ~1 B model)
 
 
 def _quantize(method: str, **settings: Any) -> dict[str, Any]:
     return {"steps": [{"quantize": {"method": method, **settings}}]}
 
 
+def _compiled(check: Check) -> Check:
+    """The same technique decoded by llmopt's compiled loop (tasks/engines/pytorch/decode_loop.py)."""
+    runtime = {**check.recipe.get("runtime", {}), **COMPILED}
+    return replace(
+        check, technique=f"{check.technique}_compiled", recipe={**check.recipe, "runtime": runtime}
+    )
+
+
 TORCHAO, BNB = ("torchao",), ("bitsandbytes", "accelerate")
 COMPILED = {"kv_cache": "static", "compile": True}
-CHECKS = (
-    Check("fp32", {}),
-    Check("bf16", {"runtime": {"dtype": "bfloat16"}}),
-    Check("fp16", {"runtime": {"dtype": "float16"}}),
-    Check("bf16_static_kv", {"runtime": {"dtype": "bfloat16", "kv_cache": "static"}}),
-    Check("bf16_static_kv_compiled", {"runtime": {"dtype": "bfloat16", **COMPILED}}),
-    Check("eager_attention", {"runtime": {"attention": "eager"}}),
-    Check("sdpa_flash", {"runtime": {"attention": "sdpa_flash", "dtype": "bfloat16"}}),
-    Check("sdpa_efficient", {"runtime": {"attention": "sdpa_efficient", "dtype": "bfloat16"}}),
-    Check("sdpa_cudnn", {"runtime": {"attention": "sdpa_cudnn", "dtype": "bfloat16"}}),
-    Check("torchao_int8_weight_only", _quantize("torchao_int8_weight_only"), TORCHAO),
-    Check("torchao_int8_dynamic", _quantize("torchao_int8_dynamic"), TORCHAO),
-    Check("torchao_int4_weight_only", _quantize("torchao_int4_weight_only"), TORCHAO),
-    Check("torchao_int4_tinygemm", _quantize("torchao_int4_tinygemm"), TORCHAO),
-    Check("torchao_int4_gptq", _quantize("torchao_int4_gptq", calibration_windows=8), TORCHAO),
-    Check("torchao_fp8_per_row", _quantize("torchao_fp8_per_row"), TORCHAO),
-    # The first H200 check: eager decode of a ~1 B model is launch-bound (3 % of the roofline at batch 1) and
-    # only the compiled static cache left it; a quantized matrix pays only with the decode step compiled too
-    Check(
-        "torchao_int4_tinygemm_compiled", {**_quantize("torchao_int4_tinygemm"), "runtime": COMPILED}, TORCHAO
-    ),
-    Check(
-        "torchao_int8_weight_only_compiled",
-        {**_quantize("torchao_int8_weight_only"), "runtime": COMPILED},
-        TORCHAO,
-    ),
-    Check("bnb_nf4", _quantize("bnb_nf4", compute_dtype="bfloat16"), BNB),
-    Check("bnb_fp4", _quantize("bnb_fp4", compute_dtype="bfloat16"), BNB),
-    Check("bnb_int8", _quantize("bnb_int8"), BNB),
-    Check("quanto_w8a16", _quantize("quanto_w8a16"), ("optimum-quanto",)),
-    Check("tensor_parallel_2", {"runtime": {"dtype": "bfloat16"}}, ranks=2),
+SERVED_CLIENTS = 16
+BF16 = Check("bf16", {"runtime": {"dtype": "bfloat16"}}, tier=1)
+INT8 = Check("torchao_int8_weight_only", _quantize("torchao_int8_weight_only"), TORCHAO)
+INT4 = Check("torchao_int4_tinygemm", _quantize("torchao_int4_tinygemm"), TORCHAO)
+FP8 = Check("torchao_fp8_per_row", _quantize("torchao_fp8_per_row"), TORCHAO)
+GPTQ = Check("torchao_int4_gptq", _quantize("torchao_int4_gptq", calibration_windows=8), TORCHAO)
+CHECKS = tuple(
+    sorted(
+        (
+            # the reference every other technique's logits are compared with; eager speeds are tier 2's: a
+            # launch-bound eager benchmark of the ~1 B model took a minute of the first H100 loan each
+            Check("fp32", {}, tier=1, timed=False),
+            # eager decoding of a ~1 B model is launch-bound on a GPU (the first H200 check: 1-3 % of the roofline);
+            # the compiled loop is what `runtime.compile: true` means there, and what a quantized matrix pays in
+            replace(_compiled(BF16), technique="bf16_static_kv_compiled"),
+            replace(_compiled(INT8), tier=1, batches=(1,)),
+            replace(_compiled(INT4), tier=1, batches=(1,)),
+            replace(BF16, technique="served_bf16", served=True),
+            _compiled(FP8),
+            Check("bnb_nf4", _quantize("bnb_nf4", compute_dtype="bfloat16"), BNB),
+            Check("bnb_fp4", _quantize("bnb_fp4", compute_dtype="bfloat16"), BNB),
+            Check("bnb_int8", _quantize("bnb_int8"), BNB),
+            Check("sdpa_flash", {"runtime": {"attention": "sdpa_flash", "dtype": "bfloat16"}}),
+            Check("sdpa_efficient", {"runtime": {"attention": "sdpa_efficient", "dtype": "bfloat16"}}),
+            Check("sdpa_cudnn", {"runtime": {"attention": "sdpa_cudnn", "dtype": "bfloat16"}}),
+            _compiled(GPTQ),
+            replace(BF16, tier=2),
+            Check("fp32_timed", {}),
+            INT8,
+            INT4,
+            FP8,
+            GPTQ,
+            Check("fp16", {"runtime": {"dtype": "float16"}}),
+            Check("bf16_static_kv", {"runtime": {"dtype": "bfloat16", "kv_cache": "static"}}),
+            Check("eager_attention", {"runtime": {"attention": "eager"}}),
+            Check("torchao_int8_dynamic", _quantize("torchao_int8_dynamic"), TORCHAO),
+            Check("torchao_int4_weight_only", _quantize("torchao_int4_weight_only"), TORCHAO),
+            Check("quanto_w8a16", _quantize("quanto_w8a16"), ("optimum-quanto",)),
+            Check("tensor_parallel_2", {"runtime": {"dtype": "bfloat16"}}, ranks=2),
+        ),
+        key=lambda check: check.tier,  # stable: within a tier, the order above
+    )
 )
 
 
@@ -116,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu-check: {check.technique}: {result['status']} {result.get('reason', '')}".rstrip())
     report["seconds"] = round(time.monotonic() - started, 1)
     _write(out, report)
-    return 0
+    failed = [result["technique"] for result in report["results"] if result["status"] == "failed"]
+    if failed:  # a skip names missing hardware, a package or the deadline; a failure is a defect to look at
+        print(f"gpu-check: failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -209,7 +243,7 @@ def _generated_llama(folder: Path, tiny: bool) -> GeneratedBase:
 def _run_check(
     check: Check, base: GeneratedBase, device: str, scratch: Path, reference: Any, left_s: float, tiny: bool
 ) -> dict[str, Any]:
-    result: dict[str, Any] = {"technique": check.technique, "recipe": check.recipe}
+    result: dict[str, Any] = {"technique": check.technique, "tier": check.tier, "recipe": check.recipe}
     missing = [package for package in check.packages if not _installed(package)]
     reason = (
         _refused(check, device)
@@ -265,28 +299,36 @@ def _measure(
     )
     build_s = time.perf_counter() - started
     target = TargetConfig(device=device, threads=os.cpu_count() or 1, tensor_parallel=check.ranks)
+    held = _gpu_mb(device)
     runtime = load_runtime(folder, target)
+    after_load = None if held is None else _gpu_mb(device) - held  # the weights as they sit on the device
     logits = runtime.logits(base.probe)
     getattr(runtime, "close", lambda: None)()  # a split model's other ranks stop before the benchmark starts
     del runtime
     if device == "cuda":
+        gc.collect()
         torch.cuda.empty_cache()  # the benchmark's peak starts from its own load
+    if not check.timed:
+        return {"build_s": round(build_s, 2), "gpu_mb_after_load": _rounded(after_load), "_logits": logits}
     cfg = BenchmarkConfig(
         prompt_tokens=32 if tiny else 128,
         new_tokens=8 if tiny else 32,
-        batch_sizes=[1, 8],
+        batch_sizes=list(check.batches),
         ttft_prompt_tokens=[32],
         requests=2,
         request_new_tokens=4,
         repeats=2,
     )
-    measured = benchmark_variant(folder, cfg, " ".join(["river stone garden"] * 20), target)
+    plan = _served_plan(base, tiny) if check.served else None
+    cfg = cfg.model_copy(update={"served_clients": [SERVED_CLIENTS] if plan else []})
+    measured = benchmark_variant(folder, cfg, " ".join(["river stone garden"] * 20), target, plan)
     bandwidth = memory_read_bandwidth_gbs(target, megabytes=64 if tiny else 512)
     result = {
         "build_s": round(build_s, 2),
         "ttft_ms": round(measured.ttft_ms, 2),
         "decode_tok_s": {str(b.batch_size): round(b.decode_tok_s, 1) for b in measured.batches},
         "peak_gpu_mb": None if measured.peak_gpu_mb is None else round(measured.peak_gpu_mb, 1),
+        "gpu_mb_after_load": _rounded(after_load),
         "peak_rss_mb": round(measured.peak_rss_mb, 1),
         "bytes_per_step": measured.decode_read_bytes,
         "bandwidth_gbs": round(bandwidth, 1),
@@ -299,6 +341,19 @@ def _measure(
         else None,
         "_logits": logits,
     }
+    if measured.served:
+        level = measured.served[0]
+        result["served"] = {
+            "how": "the request mix through the server's scheduler in this process (no HTTP), every request to its "
+            "budget; offline: the same engine's batch-8 decode",
+            "clients": level.concurrency,
+            "tok_s": round(level.tok_s, 1),
+            "ttft_p50_ms": round(level.ttft_p50_ms, 1),
+            "ttft_p95_ms": round(level.ttft_p95_ms, 1),
+            "decode_tok_s": round(level.decode_tok_s, 1),
+            "prefill_share": round(level.prefill_share, 3),
+            "errors": level.errors,
+        }
     if reference is not None:
         difference = (logits - reference).norm() / reference.norm()
         result["logits_vs_fp32"] = {
@@ -307,6 +362,32 @@ def _measure(
             "argmax_agreement": round(float((logits.argmax(-1) == reference.argmax(-1)).float().mean()), 4),
         }
     return result
+
+
+def _served_plan(base: GeneratedBase, tiny: bool) -> Any:
+    """The load test's request mix over the generated sentences (seeded), 2 requests per client, through `serve`'s
+    default scheduler settings with room for every client."""
+    from serving.models import Limits
+    from tasks.config import LoadtestConfig
+    from tasks.measure.served import ServedPlan, request_set
+
+    mix = LoadtestConfig(requests_per_level=2 * SERVED_CLIENTS)
+    requests = request_set(base.calibration, mix, 16 if tiny else 64)
+    return ServedPlan(tuple(requests), Limits(max_batch=SERVED_CLIENTS, max_queue=4 * SERVED_CLIENTS))
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _gpu_mb(device: str) -> float | None:
+    """MiB the process holds on the GPU now (None on the CPU)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() / 2**20
 
 
 def _device_facts(device: str) -> dict[str, Any]:

@@ -180,8 +180,9 @@ class RuntimeSettings(Strict):
     threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # None: target.threads
     # The torch engine's inference wrapper: none (eager transformers) or DeepSpeed's init_inference.
     wrapper: Literal["none", "deepspeed"] = "none"
-    # torch.compile of the decode step with CUDA graphs (fullgraph, reduce-overhead) over the static KV cache; cuda
-    # targets only. Off, a static cache is never compiled (transformers would compile it on a GPU by itself).
+    # llmopt's own decode loop (tasks/engines/pytorch/decode_loop.py): static KV caches per batch/length bucket and
+    # the one-token step compiled with CUDA graphs (fullgraph, reduce-overhead); cuda targets only. Off, a static
+    # cache is never compiled (transformers would compile it on a GPU by itself).
     compile: bool = False
     # Speculative decoding at batch 1 (every engine; larger batches decode as usual): None, or how to propose
     speculative: SpeculativeSettings | None = None

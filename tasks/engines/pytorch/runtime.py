@@ -69,6 +69,11 @@ class TorchRuntime(Runtime):
         # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
         no_grad = torch.inference_mode if stored.inference_mode else torch.no_grad
         self._no_grad = inference_context(no_grad, settings.sdpa_backend)
+        self._loop = None  # compiled on a GPU: llmopt's own decode loop instead of `generate`
+        if self.compiled and self.device.type == "cuda":
+            from tasks.engines.pytorch.decode_loop import DecodeLoop, cuda_graph_compiler
+
+            self._loop = DecodeLoop(self.model, self.device, cuda_graph_compiler, self._no_grad)
 
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         import torch
@@ -126,6 +131,10 @@ class TorchRuntime(Runtime):
     ) -> list[list[int]]:
         import torch
 
+        if self._loop is not None:
+            stop = self.eos_token_id if stop_at_eos else None
+            suppressed = self.suppressed_at_length(stop_at_eos)
+            return self._loop.generate(batch, max_new_tokens, suppressed, stop, self._first_tokens)
         extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
         # the time of the first tokens, on the CPU only: on a GPU the host copy of every step's tokens that the
         # streamer gets would add a sync per step
@@ -367,14 +376,10 @@ def only_efficient_sdpa_enabled() -> bool:
 
 
 def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:
-    """`generate` keyword arguments for the KV-cache and compile settings (a sliding window is part of the model
-    instead). transformers compiles a static cache's decode step on a GPU by itself; llmopt does only when the
-    recipe says `compile: true`, so what is measured is what the recipe names."""
-    if settings.kv_cache == "static" and settings.compile:
-        from transformers import CompileConfig
-
-        compiled = CompileConfig(fullgraph=True, mode="reduce-overhead")
-        return {"cache_implementation": "static", "compile_config": compiled}
+    """`generate` keyword arguments for the KV-cache settings (a sliding window is part of the model instead).
+    transformers compiles a static cache's decode step on a GPU by itself; llmopt never lets it: `compile: true`
+    runs llmopt's own decode loop instead (tasks/engines/pytorch/decode_loop.py), so what is measured is what the
+    recipe names."""
     if settings.kv_cache == "static":
         return {"cache_implementation": "static", "disable_compile": True}
     if settings.kv_cache == "quantized":

@@ -1,0 +1,176 @@
+"""llmopt's own greedy decode loop for the torch engine, the way gpt-fast and torchao's generate run one: what
+`runtime.compile: true` means on a cuda target.
+
+transformers' `generate` compiles the model's forward over a static cache but keeps its per-token host loop (logits
+processors, stopping criteria, cache bookkeeping, a host sync per token): on an H200 that held a compiled 1 B Llama
+at 10 % of the memory bandwidth. Here the host does nothing per token but queue the next step:
+
+- a static KV cache per (batch bucket, length bucket), made once and reused: batch sizes are rounded up to a power
+  of two (1, 2, 4, 8, 16, ...; the extra rows repeat the first prompt and are dropped) and lengths to a multiple of
+  `LENGTH_STEP`, so a new batch size of a bucket already seen neither recompiles nor records a graph;
+- the prompt runs eagerly (one forward, its length is free), then a host sync: the first token's time is read from
+  the timed call itself (the time to first token needs no call of its own);
+- every later token is one call of the compiled step: the model's forward for one token per row, the suppressed ids
+  masked, the argmax, all on the device (with CUDA graphs: one replay). Its token goes into a device buffer of the
+  call's tokens, which the next step reads; positions advance in place. Nothing comes back to the host until the
+  end, except, when the call stops at end of sequence, one look every `STOP_CHECK_EVERY` tokens.
+
+The attention mask is made inside the step from the position (keys up to the current one), so the same graph serves
+every position, and eager and compiled steps mask alike (transformers skips the mask of a one-token query when none
+is given, which over a static cache would attend to its empty tail).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+LENGTH_STEP = 256  # static caches hold a multiple of this many positions
+STOP_CHECK_EVERY = (
+    16  # stopping at end of sequence: the host looks whether every row ended once per this many tokens
+)
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch size a call of `rows` sequences runs at: the next power of two."""
+    if rows < 1:
+        raise ValueError("a decode call needs at least one sequence")
+    return 1 << (rows - 1).bit_length()
+
+
+def length_bucket(positions: int, context: int) -> int:
+    """The static cache length for `positions` tokens: the next multiple of `LENGTH_STEP`, at most `context`."""
+    if positions > context:
+        raise ValueError(f"{positions} tokens do not fit the model's context of {context}")
+    return min(-(-positions // LENGTH_STEP) * LENGTH_STEP, context)
+
+
+def cuda_graph_compiler(step: Callable) -> Callable:
+    """The compiler a cuda target uses: the whole step as one graph (no breaks), one fixed shape per bucket, replayed
+    as a CUDA graph."""
+    import torch
+
+    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+class DecodeLoop:
+    """Greedy continuations of equal-length prompts with `model` on `device` (see the module's text). `compiler`
+    turns the one-token step into what runs (None: eager, as the CPU tests may run it); `no_grad` is the runtime's
+    inference context."""
+
+    def __init__(self, model: Any, device: Any, compiler: Callable | None, no_grad: Any) -> None:
+        self._model, self._device, self._no_grad = model, device, no_grad
+        self._compiler = compiler or (lambda step: step)
+        self._caches: dict[tuple[int, int], tuple[Any, Callable]] = {}
+        self.context = model.config.max_position_embeddings
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """The (batch, length) buckets made so far, each with its cache and its compiled step."""
+        return sorted(self._caches)
+
+    def generate(
+        self,
+        batch: list[list[int]],
+        max_new_tokens: int,
+        suppressed: frozenset[int] = frozenset(),
+        stop: int | None = None,
+        on_first: Callable[[], None] = lambda: None,
+    ) -> list[list[int]]:
+        """`max_new_tokens` greedy tokens for each of the equal-length prompts of `batch`, never one of `suppressed`;
+        with `stop` (an end-of-sequence id) the call ends early once every row has produced it (the rows keep
+        their tokens after it: the caller cuts them). `on_first` is called once the first tokens are chosen."""
+        rows, length = len(batch), len(batch[0])
+        if any(len(prompt) != length for prompt in batch):
+            raise ValueError("the decode loop takes prompts of one length")
+        bucket = (batch_bucket(rows), length_bucket(length + max_new_tokens, self.context))
+        cache, step = self._bucket(bucket)
+        padded = batch + [batch[0]] * (bucket[0] - rows)
+        # everything under the runtime's inference context: the cache's tensors were made in it (inference tensors
+        # under torch.inference_mode), and an in-place update of one outside it fails (its reset, at the second call)
+        with self._no_grad():
+            cache.reset()
+            return self._decode(cache, step, bucket, padded, max_new_tokens, suppressed, stop, on_first)[
+                :rows
+            ]
+
+    def _decode(
+        self,
+        cache: Any,
+        step: Callable,
+        bucket: tuple[int, int],
+        padded: list[list[int]],
+        max_new_tokens: int,
+        suppressed: frozenset[int],
+        stop: int | None,
+        on_first: Callable[[], None],
+    ) -> list[list[int]]:
+        import torch
+
+        rows, length = len(padded), len(padded[0])
+        bias = torch.zeros(self._model.config.vocab_size, dtype=torch.float32, device=self._device)
+        if suppressed:
+            bias[sorted(suppressed)] = float("-inf")
+        # one row per token of the call ([tokens, rows]): each step reads a contiguous row, whatever the length
+        tokens = torch.empty(max_new_tokens, rows, dtype=torch.long, device=self._device)
+        positions = torch.arange(length, device=self._device)
+        logits = self._model(
+            input_ids=torch.tensor(padded, device=self._device),
+            cache_position=positions,
+            attention_mask=_mask_up_to(positions[-1:], bucket),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+        tokens[0] = (logits[:, -1].float() + bias).argmax(-1)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        on_first()
+        position, produced = positions[-1:] + 1, 1
+        for index in range(1, max_new_tokens):
+            if stop is not None and index % STOP_CHECK_EVERY == 0 and _all_stopped(tokens, index, stop, rows):
+                break
+            if self._device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
+            tokens[index] = step(tokens[index - 1].unsqueeze(1), position, bias)[:, 0]
+            position.add_(1)
+            produced = index + 1
+        return tokens[:produced].T.tolist()
+
+    def _bucket(self, bucket: tuple[int, int]) -> tuple[Any, Callable]:
+        if bucket not in self._caches:
+            from transformers import StaticCache
+
+            cache = StaticCache(config=self._model.config, max_cache_len=bucket[1])
+            self._caches[bucket] = (cache, self._compiler(_one_token_step(self._model, cache, bucket)))
+        return self._caches[bucket]
+
+
+def _mask_up_to(position: Any, bucket: tuple[int, int]) -> Any:
+    """The 2-D attention mask over a static cache of the bucket's length: every key up to `position` (a 1-element
+    tensor), for every row."""
+    import torch
+
+    keys = torch.arange(bucket[1], device=position.device)
+    return (keys <= position).to(torch.long).expand(bucket[0], bucket[1])
+
+
+def _one_token_step(model: Any, cache: Any, bucket: tuple[int, int]) -> Callable:
+    """The step a bucket compiles: one token per row at `position` -> each row's greedy next token ([rows, 1])."""
+
+    def step(token: Any, position: Any, bias: Any) -> Any:
+        logits = model(
+            input_ids=token,
+            cache_position=position,
+            attention_mask=_mask_up_to(position, bucket),
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+        return (logits[:, -1].float() + bias).argmax(-1, keepdim=True)
+
+    return step
+
+
+def _all_stopped(tokens: Any, produced: int, stop: int, rows: int) -> bool:
+    """Whether each of the first `rows` rows has produced `stop` among its first `produced` tokens (one host sync)."""
+    return bool((tokens[:produced, :rows] == stop).any(0).all())
