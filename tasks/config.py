@@ -128,6 +128,7 @@ class SelectConfig(Strict):
     # Constraints a winner must meet (None: no constraint).
     max_ttft_ms: Annotated[float, Field(gt=0)] | None = None
     max_rss_mb: Annotated[float, Field(gt=0)] | None = None
+    max_gpu_mb: Annotated[float, Field(gt=0)] | None = None  # peak GPU memory; a cuda target only
     max_size_mb: Annotated[float, Field(gt=0)] | None = None
     min_speedup: Annotated[float, Field(gt=0)] | None = None  # on the objective's speed, vs the baseline
     # Champion vs challenger: production moves only when the challenger's objective beats it by this share, at

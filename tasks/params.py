@@ -199,6 +199,11 @@ class Config(Strict):
             raise ValueError(
                 "select.objective: serving ranks by served capacity: benchmark.served_clients must not be empty"
             )
+        if self.select.max_gpu_mb is not None and not self.target.device.startswith("cuda"):
+            raise ValueError(
+                f"select.max_gpu_mb bounds GPU memory, which a {self.target.device} target does not use; "
+                "use max_rss_mb"
+            )
         if self.services.prefect_worker and self.schedule.work_pool is None:
             raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self

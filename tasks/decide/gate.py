@@ -47,7 +47,9 @@ class Verdict:
 def objective_samples(trials: list[BenchmarkResult], objective: Objective) -> list[float]:
     """Every measured value of the objective, larger is better, in trial order (pairs line up across models)."""
     if objective == "memory":
-        return [1.0 / trial.peak_rss_mb for trial in trials]
+        return [
+            1.0 / (trial.peak_rss_mb if trial.peak_gpu_mb is None else trial.peak_gpu_mb) for trial in trials
+        ]
     if objective == "throughput":
         return [run for t in trials for run in max(t.batches, key=lambda b: b.batch_size).decode_tok_s_runs]
     if objective == "serving":  # one served measurement per trial: its capacity at the most clients

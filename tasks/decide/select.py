@@ -48,6 +48,12 @@ class VariantScore:
     speculation: tuple[StyleSpeed, ...] = ()  # a speculative variant: with and without it, by prompt style
     # served capacity through the real scheduler, per client count (empty: not measured, e.g. short, peer)
     served: tuple[LevelResult, ...] = ()
+    peak_gpu_mb: float | None = None  # on a cuda target: the benchmark's peak of GPU memory allocated
+
+    @property
+    def memory_mb(self) -> float:
+        """The memory a target is short of: peak GPU memory on a cuda target, else peak resident memory."""
+        return self.peak_rss_mb if self.peak_gpu_mb is None else self.peak_gpu_mb
 
     def top_batch(self) -> tuple[int, float]:
         """(largest measured batch size, its aggregate decode tok/s)."""
@@ -95,6 +101,7 @@ def variant_score(
         short_benchmark=bench.short,
         speculation=tuple(bench.speculation or ()),
         served=tuple(bench.served or ()),
+        peak_gpu_mb=bench.peak_gpu_mb,
     )
 
 
@@ -179,6 +186,7 @@ class Leaderboard:
                 **served_metrics(row.score.served),
                 "size_mb": round(row.score.size_bytes / 1e6, 1),
                 "peak_rss_mb": round(row.score.peak_rss_mb, 1),
+                **({} if row.score.peak_gpu_mb is None else {"peak_gpu_mb": round(row.score.peak_gpu_mb, 1)}),
                 "on_frontier": int(row.on_frontier),
             }
             for row in self.rows
@@ -281,13 +289,18 @@ def table_columns(board: Leaderboard) -> list[str]:
         "roofline",
         "size MB",
         "peak RSS MB",
+        *(["peak GPU MB"] if _on_gpu(board) else []),
     ]
+
+
+def _on_gpu(board: Leaderboard) -> bool:
+    return any(row.score.peak_gpu_mb is not None for row in board.rows)
 
 
 def table_cells(board: Leaderboard) -> list[list[str]]:
     """Formatted cells of every row, shared by the terminal, markdown and CSV renderings."""
     cells, columns_top = [], max((r.score.top_batch()[0] for r in board.rows), default=1)
-    clients = served_top(board)
+    clients, gpu = served_top(board), _on_gpu(board)
     for row in board.rows:
         s = row.score
         mark = (" ★" if s.variant == board.winner else "") + (" ◆" if row.on_frontier else "")
@@ -310,6 +323,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 f"{s.roofline_fraction:.0%}",
                 f"{s.size_bytes / 1e6:.0f}",
                 f"{s.peak_rss_mb:.0f}",
+                *([] if not gpu else [NOT_MEASURED if s.peak_gpu_mb is None else f"{s.peak_gpu_mb:.0f}"]),
             ]
         )
     return cells
@@ -347,11 +361,11 @@ def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderbo
 
 def objective_key(row: LeaderboardRow, objective: Objective) -> tuple[float, ...]:
     """Larger is better: the objective's measure, then accuracy and memory break ties (for memory, whose measure
-    is peak RSS then size: accuracy, then batch-1 speed)."""
+    is the peak memory, GPU memory on a cuda target, then size: accuracy, then batch-1 speed)."""
     s = row.score
     if objective == "memory":
-        return (-s.peak_rss_mb, -s.size_bytes, -row.ppl_ratio, s.decode_tok_s)
-    return (_measured(s.speed(objective)), -row.ppl_ratio, -s.peak_rss_mb)
+        return (-s.memory_mb, -s.size_bytes, -row.ppl_ratio, s.decode_tok_s)
+    return (_measured(s.speed(objective)), -row.ppl_ratio, -s.memory_mb)
 
 
 def _measured(speed: float) -> float:
@@ -360,7 +374,7 @@ def _measured(speed: float) -> float:
 
 
 def _point(row: LeaderboardRow, objective: Objective) -> tuple[float, float, float]:
-    return (row.ppl_ratio, _measured(row.score.speed(objective)), row.score.peak_rss_mb)
+    return (row.ppl_ratio, _measured(row.score.speed(objective)), row.score.memory_mb)
 
 
 def _reason(board: Leaderboard, qualifying: int) -> str:
@@ -377,6 +391,8 @@ def constraint_failures(score: VariantScore, speedup: float, cfg: SelectConfig) 
         failures.append(f"TTFT {score.ttft_ms:.0f} ms > max_ttft_ms {cfg.max_ttft_ms:g}")
     if cfg.max_rss_mb is not None and score.peak_rss_mb > cfg.max_rss_mb:
         failures.append(f"peak RSS {score.peak_rss_mb:.0f} MB > max_rss_mb {cfg.max_rss_mb:g}")
+    if cfg.max_gpu_mb is not None and (score.peak_gpu_mb or 0.0) > cfg.max_gpu_mb:
+        failures.append(f"peak GPU memory {score.peak_gpu_mb:.0f} MB > max_gpu_mb {cfg.max_gpu_mb:g}")
     if cfg.max_size_mb is not None and score.size_bytes / 1e6 > cfg.max_size_mb:
         failures.append(f"size {score.size_bytes / 1e6:.0f} MB > max_size_mb {cfg.max_size_mb:g}")
     if cfg.min_speedup is not None and speedup < cfg.min_speedup:

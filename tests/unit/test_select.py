@@ -377,3 +377,37 @@ def test_only_this_runs_own_refused_variants_get_the_short_benchmark(tmp_path):
     }
     assert outside_budget(config, manifests, evaluations, exclude={"production_bytes"}) == ["bad"]
     assert outside_budget(config, manifests, evaluations, exclude=set()) == ["bad", "production_bytes"]
+
+
+def test_on_a_gpu_the_memory_objective_and_max_gpu_mb_read_gpu_memory_and_the_table_shows_it():
+    """A cuda target's benchmark records peak GPU memory: `memory` ranks by it (not by the host's RSS), `max_gpu_mb`
+    bounds it, and the leaderboard gets a peak GPU MB column (absent where no row measured it)."""
+    base = replace(score("baseline", 1.0, 10), peak_rss_mb=900.0, peak_gpu_mb=4000.0)
+    int8 = replace(score("int8", 1.01, 12), peak_rss_mb=2000.0, peak_gpu_mb=2200.0)  # more host RSS, less GPU
+    int4 = replace(score("int4", 1.02, 14), peak_rss_mb=3000.0, peak_gpu_mb=1500.0)
+    board = build_leaderboard([base, int8, int4], SelectConfig(objective="memory"))
+    assert [row.score.variant for row in board.rows] == [
+        "int4",
+        "int8",
+        "baseline",
+    ] and board.winner == "int4"
+    assert board.metrics()["int4"]["peak_gpu_mb"] == 1500.0
+    assert "peak GPU MB" in board.to_markdown() and "1500" in board.to_markdown()
+    bounded = build_leaderboard([base, int8, int4], SelectConfig(max_gpu_mb=1000.0))
+    assert bounded.winner is None
+    assert any("peak GPU memory 1500 MB > max_gpu_mb 1000" in failure for failure in bounded.rows[0].failures)
+    on_cpu = build_leaderboard([score("baseline", 1.0, 10), score("int8", 1.01, 12)], SelectConfig())
+    assert "peak GPU MB" not in on_cpu.to_markdown() and "peak_gpu_mb" not in on_cpu.metrics()["int8"]
+
+
+def test_max_gpu_mb_on_a_cpu_target_is_refused_naming_the_key():
+    from tasks.params import Config
+
+    with pytest.raises(ValueError, match="select.max_gpu_mb bounds GPU memory"):
+        Config.model_validate({"select": {"max_gpu_mb": 2000}, "variants": {"baseline": {}}})
+    assert (
+        Config.model_validate(
+            {"select": {"max_gpu_mb": 2000}, "target": {"device": "cuda"}, "variants": {"baseline": {}}}
+        ).select.max_gpu_mb
+        == 2000
+    )
