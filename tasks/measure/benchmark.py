@@ -64,6 +64,9 @@ class BenchmarkResult:
     # the first generate call, untimed elsewhere: where compiling (compile: true) and kernel choice land; a new
     # batch size compiles again inside its own warm-up, outside every timing
     first_call_s: float = 0.0
+    # seconds the runtime spent compiling (llmopt's compiled decode loop on cuda: each bucket's first step; None:
+    # nothing compiled), also inside first_call_s and the warm-ups, never inside a timing
+    compile_s: float | None = None
     # the short benchmark of a variant outside the accuracy budget (BenchmarkConfig.short)
     short: bool = False
     # a speculative variant: each prompt style with and without speculation (tasks/measure/speculation.py)
@@ -280,6 +283,7 @@ def benchmark_variant(
         threads=target.threads,
         peak_gpu_mb=peak_gpu_mb,
         first_call_s=first_call_s,
+        compile_s=getattr(runtime, "compile_s", None),
         speculation=speculation,
         served=levels,
         served_peak_rss_mb=_peak_rss_mb() if levels is not None else None,

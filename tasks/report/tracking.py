@@ -220,6 +220,7 @@ def log_variant_run(
         "peak_rss_mb": bench.peak_rss_mb,
         **({"peak_gpu_mb": bench.peak_gpu_mb} if bench.peak_gpu_mb is not None else {}),
         "first_call_s": bench.first_call_s,
+        **({"compile_s": bench.compile_s} if bench.compile_s is not None else {}),
         "size_mb": manifest.size_bytes / 1e6,
         "parameters": manifest.parameters,
         **_mixed_precision_metrics(manifest.mixed_precision),

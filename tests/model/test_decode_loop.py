@@ -107,7 +107,7 @@ def test_compiled_step_gives_the_same_tokens_and_does_not_recompile_a_bucket_it_
     )
     assert loop.generate(PROMPTS[2:], 1, frozenset({EOS})) == [expected[2][:1]]
     assert counting.graphs == made
-    assert loop.buckets == [(1, 256), (4, 256)]
+    assert loop.buckets == [(1, 256), (4, 256)] and set(loop.compile_s) == set(loop.buckets)  # reported apart
 
 
 def test_suppressed_ids_are_never_chosen(model):
@@ -151,11 +151,12 @@ def test_the_runtime_generates_through_the_loop_under_its_inference_context(trai
     runtime = load_runtime(folder, TargetConfig(threads=1))
     ids = runtime.encode("the quick brown fox jumps over the lazy dog and runs far away")
     expected = runtime.generate([ids, ids[:-2]], 12, stop_at_eos=False)
-    assert runtime._loop is None  # a CPU target keeps transformers' generate
+    assert runtime._loop is None and runtime.compile_s is None  # a CPU target keeps transformers' generate
     runtime._loop = DecodeLoop(runtime.model, runtime.device, Counting().compiler, runtime._no_grad)
     for _ in range(2):
         assert runtime.generate([ids, ids[:-2]], 12, stop_at_eos=False) == expected
         assert runtime.first_token_s is not None
+    assert runtime.compile_s > 0  # the one bucket's first step
 
 
 def test_inductor_compiled_step_gives_the_eager_tokens(model):

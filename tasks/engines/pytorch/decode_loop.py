@@ -22,6 +22,7 @@ is given, which over a static cache would attend to its empty tail).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,8 @@ class DecodeLoop:
         self._compiler = compiler or (lambda step: step)
         self._caches: dict[tuple[int, int], tuple[Any, Callable]] = {}
         self.context = model.config.max_position_embeddings
+        # seconds of each bucket's first step: compiling it (and recording its CUDA graph), reported apart
+        self.compile_s: dict[tuple[int, int], float] = {}
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -132,7 +135,10 @@ class DecodeLoop:
                 break
             if self._device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
+            first = bucket not in self.compile_s and time.perf_counter()
             tokens[index] = step(tokens[index - 1].unsqueeze(1), position, bias)[:, 0]
+            if first:
+                self.compile_s[bucket] = _synced(self._device) - first
             position.add_(1)
             produced = index + 1
         return tokens[:produced].T.tolist()
@@ -169,6 +175,15 @@ def _one_token_step(model: Any, cache: Any, bucket: tuple[int, int]) -> Callable
         return (logits[:, -1].float() + bias).argmax(-1, keepdim=True)
 
     return step
+
+
+def _synced(device: Any) -> float:
+    """The clock once the device's queued work is done."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _all_stopped(tokens: Any, produced: int, stop: int, rows: int) -> bool:

@@ -75,6 +75,11 @@ class TorchRuntime(Runtime):
 
             self._loop = DecodeLoop(self.model, self.device, cuda_graph_compiler, self._no_grad)
 
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds spent compiling the decode loop's steps so far (None: this runtime does not compile)."""
+        return None if self._loop is None else sum(self._loop.compile_s.values())
+
     def score(self, sequences: list[list[int]]) -> list[tuple[float, int]]:
         import torch
 
