@@ -1,0 +1,119 @@
+"""The recipe search's cheap first look at a built candidate, before any race: its stored bytes, how far its
+next-token distributions are from the baseline's on a few calibration windows (KL divergence), and one short decode
+timing. The proxies only order and screen candidates; nothing is promoted on them (the race and its confirmation
+decide), so they can be cheap and rough.
+
+KL(baseline ‖ candidate), in nats per predicted token, is what a candidate adds to the baseline's cross-entropy
+where the baseline is right about the text; a candidate's perplexity ratio is near exp(KL) when the baseline's
+distribution is close to the text's, which is why `screen` compares it with ln(1 + max_ppl_increase), with
+`kl_margin` times that allowed: a proxy is no verdict, and a candidate is dropped only when it is far outside.
+Every engine gives per-position logits (`Runtime.position_logits`), so the proxy is the same for all of them."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """One candidate's cheap look."""
+
+    candidate: str
+    stored_bytes: int
+    kl: float  # mean KL(baseline ‖ candidate) per predicted token, nats, over the proxy windows
+    kl_windows: tuple[float, ...]  # per window, for a paired reading later
+    decode_tok_s: float  # one short decode at batch 1 (after one warm-up call)
+
+
+def log_probs(runtime: Any, windows: list[list[int]]) -> list[np.ndarray]:
+    """The runtime's next-token log-probabilities at every position of each window (float32, length × vocab): the
+    baseline's, computed once per search and compared with every candidate's."""
+    return [_log_softmax(np.asarray(runtime.position_logits(ids), dtype=np.float32)) for ids in windows]
+
+
+def kl_to_reference(reference: list[np.ndarray], runtime: Any, windows: list[list[int]]) -> tuple[float, ...]:
+    """Per window, the mean over its positions of KL(reference ‖ runtime's distribution), nats. The vocabularies
+    must be the same (a candidate of the same model)."""
+    if len(reference) != len(windows):
+        raise ValueError("one reference per window")
+    result = []
+    for expected, ids in zip(reference, windows, strict=True):
+        got = _log_softmax(np.asarray(runtime.position_logits(ids), dtype=np.float32))
+        if got.shape != expected.shape:
+            raise ValueError(f"logits of shape {got.shape}, the reference's are {expected.shape}")
+        per_position = (np.exp(expected) * (expected - got)).sum(-1)
+        result.append(
+            float(np.maximum(per_position, 0.0).mean())
+        )  # rounding makes a tiny KL slightly negative
+    return tuple(result)
+
+
+def short_decode_tok_s(runtime: Any, prompt: list[int], new_tokens: int = 16) -> float:
+    """Tokens per second of one greedy decode of `new_tokens` after `prompt`, batch 1, after a one-token warm-up
+    call (its first token's time included: a rough figure, for ordering candidates only)."""
+    if new_tokens < 1:
+        raise ValueError("new_tokens must be at least 1")
+    runtime.generate([prompt], 1, stop_at_eos=False)
+    started = time.perf_counter()
+    runtime.generate([prompt], new_tokens, stop_at_eos=False)
+    return new_tokens / (time.perf_counter() - started)
+
+
+def proxy(
+    candidate: str,
+    stored_bytes: int,
+    runtime: Any,
+    reference: list[np.ndarray],
+    windows: list[list[int]],
+    prompt: list[int],
+) -> Proxy:
+    """A loaded candidate's proxies (`stored_bytes`: its artifact on disk, as the manifest counts it)."""
+    kl = kl_to_reference(reference, runtime, windows)
+    return Proxy(candidate, stored_bytes, float(np.mean(kl)), kl, short_decode_tok_s(runtime, prompt))
+
+
+@dataclass(frozen=True)
+class Screened:
+    """The candidates worth racing, best first, and the ones left out with why."""
+
+    kept: list[str]
+    dropped: dict[str, str]
+
+
+def screen(proxies: list[Proxy], keep: int, max_ppl_increase: float, kl_margin: float = 3.0) -> Screened:
+    """Drop a candidate whose KL is above `kl_margin` × ln(1 + max_ppl_increase) (far outside the accuracy
+    budget) or that another candidate beats on all three proxies (fewer bytes, lower KL, faster); keep the `keep`
+    fastest of the rest."""
+    if keep < 1:
+        raise ValueError("keep must be at least 1")
+    limit = kl_margin * math.log1p(max_ppl_increase)
+    dropped = {
+        p.candidate: f"KL {p.kl:.4f} nats/token > {limit:.4f} ({kl_margin:g} × ln(1 + {max_ppl_increase:g}))"
+        for p in proxies
+        if p.kl > limit
+    }
+    left = [p for p in proxies if p.candidate not in dropped]
+    for p in left:
+        better = next((q for q in left if q is not p and _dominates(q, p)), None)
+        if better is not None:
+            dropped[p.candidate] = f"{better.candidate} is smaller, closer to the baseline and faster"
+    ranked = sorted((p for p in left if p.candidate not in dropped), key=lambda p: -p.decode_tok_s)
+    for p in ranked[keep:]:
+        dropped[p.candidate] = f"not among the {keep} fastest of the screened candidates"
+    return Screened([p.candidate for p in ranked[:keep]], dropped)
+
+
+def _dominates(a: Proxy, b: Proxy) -> bool:
+    no_worse = a.stored_bytes <= b.stored_bytes and a.kl <= b.kl and a.decode_tok_s >= b.decode_tok_s
+    better = a.stored_bytes < b.stored_bytes or a.kl < b.kl or a.decode_tok_s > b.decode_tok_s
+    return no_worse and better
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
