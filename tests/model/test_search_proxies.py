@@ -66,14 +66,14 @@ def test_screen_drops_far_outside_the_budget_and_the_beaten_and_keeps_the_fastes
         Proxy("q4_fast", 100, 0.5 * near, (), 300.0),
         Proxy("q4_slow_bigger", 120, 0.6 * near, (), 200.0),  # beaten by q4_fast on all three
         Proxy("q8", 200, 0.1 * near, (), 250.0),
-        Proxy("q3_wild", 80, 5.0 * near, (), 400.0),  # fastest, but far outside the budget
+        Proxy("q3_wild", 80, 20.0 * near, (), 400.0),  # fastest, but far outside the budget
         Proxy("q5", 150, 0.3 * near, (), 220.0),
     ]
     screened = screen(proxies, keep=2, max_ppl_increase=budget)
     assert screened.kept == ["q4_fast", "q8"]
-    assert "KL" in screened.dropped["q3_wild"] and "3 × ln(1 + 0.05)" in screened.dropped["q3_wild"]
+    assert "KL" in screened.dropped["q3_wild"] and "15 × ln(1 + 0.05)" in screened.dropped["q3_wild"]
     assert screened.dropped["q4_slow_bigger"].startswith("q4_fast is smaller")
     assert "not among the 2 fastest" in screened.dropped["q5"]
     assert set(screened.kept) | set(screened.dropped) == {p.candidate for p in proxies}
-    wide = screen(proxies, keep=10, max_ppl_increase=budget, kl_margin=10.0)
+    wide = screen(proxies, keep=10, max_ppl_increase=budget, kl_margin=30.0)
     assert wide.kept[0] == "q3_wild" and "q3_wild" not in wide.dropped
