@@ -325,6 +325,7 @@ def _measure(
     )
     plan = _served_plan(base, tiny) if check.served else None
     cfg = cfg.model_copy(update={"served_clients": [SERVED_CLIENTS] if plan else []})
+    skips = _cudagraph_skips()
     measured = benchmark_variant(folder, cfg, " ".join(["river stone garden"] * 20), target, plan)
     bandwidth = memory_read_bandwidth_gbs(target, megabytes=64 if tiny else 512)
     result = {
@@ -341,6 +342,8 @@ def _measure(
         ),
         "first_call_s": round(measured.first_call_s, 2),
         "compile_s": None if measured.compile_s is None else round(measured.compile_s, 2),
+        # a compiled step that fell back from CUDA graphs (a mutated input, a CPU tensor) runs slow and says so here
+        "cudagraph_skips": _cudagraph_skips() - skips,
         "_logits": logits,
     }
     if measured.served:
@@ -376,6 +379,12 @@ def _served_plan(base: GeneratedBase, tiny: bool) -> Any:
     mix = LoadtestConfig(requests_per_level=2 * SERVED_CLIENTS)
     requests = request_set(base.calibration, mix, 16 if tiny else 64)
     return ServedPlan(tuple(requests), Limits(max_batch=SERVED_CLIENTS, max_queue=4 * SERVED_CLIENTS))
+
+
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def _rounded(value: float | None) -> float | None:

@@ -233,6 +233,10 @@ class RuntimeSettings(Strict):
             raise ValueError("sliding_window bounds the cache itself; leave kv_cache at dynamic or quantized")
         if self.compile and self.kv_cache != "static":
             raise ValueError("compile replays the decode step over a fixed-shape cache: set kv_cache: static")
+        if self.compile and self.attention == "sdpa_flash":  # the compiled loop masks its cache at every step
+            raise ValueError(
+                "compile masks its static cache; torch's flash SDPA kernel takes no mask on CUDA: use sdpa"
+            )
         if self.speculative is not None:
             clash = [
                 f"{name}: {value}"

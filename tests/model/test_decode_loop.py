@@ -119,20 +119,32 @@ def test_suppressed_ids_are_never_chosen(model):
     assert out != free
 
 
-def test_stops_once_every_row_produced_the_stop_token_and_reports_its_first_tokens(model):
+def cut(row: list[int], stop: set[int]) -> list[int]:
+    return next((row[: i + 1] for i, token in enumerate(row) if token in stop), row)
+
+
+def test_each_row_ends_at_its_first_stop_id_and_the_call_once_every_row_has(model):
+    """Any of several end-of-sequence ids ends a row (some models' generation configs list several, and `generate`
+    stops at each); the call stops looking once every row has ended, at its next look."""
     loop = DecodeLoop(model, torch.device("cpu"), None, torch.inference_mode)
-    full = loop.generate(PROMPTS[:1], 3 * STOP_CHECK_EVERY)
+    length = 3 * STOP_CHECK_EVERY
+    full, other = loop.generate(PROMPTS[:1], length)[0], loop.generate(PROMPTS[1:2], length)[0]
     firsts = []
-    stopped = loop.generate(
-        PROMPTS[:1], 3 * STOP_CHECK_EVERY, stop=full[0][2], on_first=lambda: firsts.append(1)
-    )
-    assert stopped == [full[0][:STOP_CHECK_EVERY]]  # looked at once per STOP_CHECK_EVERY tokens
+    stopped = loop.generate(PROMPTS[:1], length, stop=frozenset({full[2]}), on_first=lambda: firsts.append(1))
+    assert stopped == [cut(full, {full[2]})] and len(stopped[0]) <= 3
     assert firsts == [1]
-    # a row that has not stopped keeps the whole batch going
-    other = loop.generate(PROMPTS[1:2], 3 * STOP_CHECK_EVERY)
-    assert full[0][2] not in other[0]
-    both = loop.generate([PROMPTS[0], PROMPTS[1]], 3 * STOP_CHECK_EVERY, stop=full[0][2])
-    assert both == [full[0], other[0]]
+    # a row that has not ended keeps the call going; it ends at its own id
+    assert full[2] not in other
+    assert loop.generate(PROMPTS[:2], length, stop=frozenset({full[2]})) == [cut(full, {full[2]}), other]
+    both = frozenset({full[2], other[4]})
+    assert loop.generate(PROMPTS[:2], length, stop=both) == [cut(full, both), cut(other, both)]
+
+
+def test_suppressed_ids_past_the_vocabulary_are_ignored_and_zero_tokens_refused(model):
+    loop = DecodeLoop(model, torch.device("cpu"), None, torch.inference_mode)
+    assert loop.generate(PROMPTS[:1], 4, frozenset({10_000})) == loop.generate(PROMPTS[:1], 4)
+    with pytest.raises(ValueError, match="at least one token"):
+        loop.generate(PROMPTS[:1], 0)
 
 
 def test_prompts_of_other_lengths_are_refused(model):
@@ -168,3 +180,21 @@ def test_inductor_compiled_step_gives_the_eager_tokens(model):
         torch.inference_mode,
     )
     assert loop.generate(PROMPTS, 12, frozenset({EOS})) == reference(model, PROMPTS, 12)
+
+
+def test_the_runtime_stops_the_loop_where_generate_stops(trained_base, tmp_path):
+    """A generation config that lists several end-of-sequence ids: the loop ends a row at any of them, as
+    transformers' `generate` does (the runtime passes every id it stops on), not only at the tokenizer's."""
+    folder = tmp_path / "static"
+    build_variant(
+        "static", VariantConfig.model_validate({"runtime": {"kv_cache": "static"}}), trained_base, "d", folder
+    )
+    runtime = load_runtime(folder, TargetConfig(threads=1))
+    ids = runtime.encode("the quick brown fox jumps over the lazy dog and runs far away")
+    free = runtime.generate([ids], 12, stop_at_eos=False)[0]
+    runtime.model.generation_config.eos_token_id = [runtime.eos_token_id, free[3]]
+    expected, to_length = runtime.generate([ids], 12), runtime.generate([ids], 12, stop_at_eos=False)
+    assert expected == [cut(free, {free[3], runtime.eos_token_id})] and free[3] not in to_length[0]
+    runtime._loop = DecodeLoop(runtime.model, runtime.device, None, runtime._no_grad)
+    assert runtime.generate([ids], 12) == expected
+    assert runtime.generate([ids], 12, stop_at_eos=False) == to_length  # running to length bars them all

@@ -119,6 +119,9 @@ def test_a_device_llmopt_does_not_know_is_refused_by_the_schema(device):
 def test_compile_needs_the_static_cache_it_replays_over():
     with pytest.raises(ValueError, match="compile replays the decode step over a fixed-shape cache"):
         config({"device": "cuda"}, compile=True)
+    # the compiled loop masks its cache in every step; the flash kernel takes no mask
+    with pytest.raises(ValueError, match="flash SDPA kernel takes no mask"):
+        config({"device": "cuda"}, kv_cache="static", compile=True, attention="sdpa_flash")
 
 
 def test_a_setting_added_later_keeps_the_build_keys_of_variants_that_leave_it_at_its_default():

@@ -66,6 +66,7 @@ class DecodeLoop:
         self.context = model.config.max_position_embeddings
         # seconds of each bucket's first step: compiling it (and recording its CUDA graph), reported apart
         self.compile_s: dict[tuple[int, int], float] = {}
+        self._compiled: set[tuple[int, int]] = set()
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -77,25 +78,27 @@ class DecodeLoop:
         batch: list[list[int]],
         max_new_tokens: int,
         suppressed: frozenset[int] = frozenset(),
-        stop: int | None = None,
+        stop: frozenset[int] = frozenset(),
         on_first: Callable[[], None] = lambda: None,
     ) -> list[list[int]]:
         """`max_new_tokens` greedy tokens for each of the equal-length prompts of `batch`, never one of `suppressed`;
-        with `stop` (an end-of-sequence id) the call ends early once every row has produced it (the rows keep
-        their tokens after it: the caller cuts them). `on_first` is called once the first tokens are chosen."""
+        with `stop` (the end-of-sequence ids) each row ends after its first stop id, and the call once every row
+        has (looked at every `STOP_CHECK_EVERY` tokens). `on_first` is called once the first tokens are chosen."""
         rows, length = len(batch), len(batch[0])
         if any(len(prompt) != length for prompt in batch):
             raise ValueError("the decode loop takes prompts of one length")
-        bucket = (batch_bucket(rows), length_bucket(length + max_new_tokens, self.context))
+        if max_new_tokens < 1:
+            raise ValueError("the decode loop makes at least one token")
+        # the last token is never fed back: length + max_new_tokens - 1 positions
+        bucket = (batch_bucket(rows), length_bucket(length + max_new_tokens - 1, self.context))
         cache, step = self._bucket(bucket)
         padded = batch + [batch[0]] * (bucket[0] - rows)
         # everything under the runtime's inference context: the cache's tensors were made in it (inference tensors
         # under torch.inference_mode), and an in-place update of one outside it fails (its reset, at the second call)
         with self._no_grad():
             cache.reset()
-            return self._decode(cache, step, bucket, padded, max_new_tokens, suppressed, stop, on_first)[
-                :rows
-            ]
+            tokens = self._decode(cache, step, bucket, padded, max_new_tokens, suppressed, stop, on_first)
+        return [_cut_after(row, stop) for row in tokens[:rows]]
 
     def _decode(
         self,
@@ -105,15 +108,18 @@ class DecodeLoop:
         padded: list[list[int]],
         max_new_tokens: int,
         suppressed: frozenset[int],
-        stop: int | None,
+        stop: frozenset[int],
         on_first: Callable[[], None],
     ) -> list[list[int]]:
         import torch
 
         rows, length = len(padded), len(padded[0])
-        bias = torch.zeros(self._model.config.vocab_size, dtype=torch.float32, device=self._device)
-        if suppressed:
-            bias[sorted(suppressed)] = float("-inf")
+        vocabulary = self._model.config.vocab_size
+        bias = torch.zeros(vocabulary, dtype=torch.float32, device=self._device)
+        barred = sorted(token for token in suppressed if 0 <= token < vocabulary)  # an id past the vocabulary
+        if barred:  # would be a device-side assert on a GPU
+            bias[barred] = float("-inf")
+        stops = torch.tensor(sorted(stop), dtype=torch.long, device=self._device) if stop else None
         # one row per token of the call ([tokens, rows]): each step reads a contiguous row, whatever the length
         tokens = torch.empty(max_new_tokens, rows, dtype=torch.long, device=self._device)
         positions = torch.arange(length, device=self._device)
@@ -131,16 +137,19 @@ class DecodeLoop:
         on_first()
         position, produced = positions[-1:] + 1, 1
         for index in range(1, max_new_tokens):
-            if stop is not None and index % STOP_CHECK_EVERY == 0 and _all_stopped(tokens, index, stop, rows):
+            if stops is not None and index % STOP_CHECK_EVERY == 0 and _all_stopped(tokens[:index], stops):
                 break
             if self._device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
-            first = bucket not in self.compile_s and time.perf_counter()
+            # a bucket's first two steps compile, then record the CUDA graph (cudagraph trees record at the second)
+            first = index <= 2 and bucket not in self._compiled and _synced(self._device)
             tokens[index] = step(tokens[index - 1].unsqueeze(1), position, bias)[:, 0]
             if first:
-                self.compile_s[bucket] = _synced(self._device) - first
+                self.compile_s[bucket] = self.compile_s.get(bucket, 0.0) + _synced(self._device) - first
             position.add_(1)
             produced = index + 1
+        if self.compile_s.get(bucket) is not None:
+            self._compiled.add(bucket)
         return tokens[:produced].T.tolist()
 
     def _bucket(self, bucket: tuple[int, int]) -> tuple[Any, Callable]:
@@ -186,6 +195,13 @@ def _synced(device: Any) -> float:
     return time.perf_counter()
 
 
-def _all_stopped(tokens: Any, produced: int, stop: int, rows: int) -> bool:
-    """Whether each of the first `rows` rows has produced `stop` among its first `produced` tokens (one host sync)."""
-    return bool((tokens[:produced, :rows] == stop).any(0).all())
+def _all_stopped(tokens: Any, stops: Any) -> bool:
+    """Whether every row (a column of `tokens`) holds one of `stops` (one host sync)."""
+    import torch
+
+    return bool(torch.isin(tokens, stops).any(0).all())
+
+
+def _cut_after(row: list[int], stop: frozenset[int]) -> list[int]:
+    """`row` up to and including its first stop id."""
+    return next((row[: i + 1] for i, token in enumerate(row) if token in stop), row)

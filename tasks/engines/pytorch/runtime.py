@@ -73,6 +73,13 @@ class TorchRuntime(Runtime):
         if self.compiled and self.device.type == "cuda":
             from tasks.engines.pytorch.decode_loop import DecodeLoop, cuda_graph_compiler
 
+            config = self.model.config
+            if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+                raise EngineError(  # a windowed static layer counts on the host: a recompile per token
+                    f"{folder}: runtime.compile: the compiled loop takes models without windowed attention layers "
+                    f"({config.model_type} windows {config.sliding_window} tokens); set compile: false"
+                )
+
             self._loop = DecodeLoop(self.model, self.device, cuda_graph_compiler, self._no_grad)
 
     @property
@@ -137,8 +144,9 @@ class TorchRuntime(Runtime):
         import torch
 
         if self._loop is not None:
-            stop = self.eos_token_id if stop_at_eos else None
-            suppressed = self.suppressed_at_length(stop_at_eos)
+            # every id generate stops on (a list for some models), the ones it bars when running to length
+            ends = self.suppressed_at_length(stop_at_eos=False)
+            stop, suppressed = (ends, frozenset()) if stop_at_eos else (frozenset(), ends)
             return self._loop.generate(batch, max_new_tokens, suppressed, stop, self._first_tokens)
         extra: dict[str, Any] = {} if stop_at_eos else {"min_new_tokens": max_new_tokens}
         # the time of the first tokens, on the CPU only: on a GPU the host copy of every step's tokens that the
