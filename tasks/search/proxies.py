@@ -105,7 +105,7 @@ def screen(proxies: list[Proxy], keep: int, max_ppl_increase: float, kl_margin: 
     for p in left:
         better = next((q for q in left if q is not p and _dominates(q, p)), None)
         if better is not None:
-            dropped[p.candidate] = f"{better.candidate} is smaller, closer to the baseline and faster"
+            dropped[p.candidate] = f"{better.candidate} is no larger, no further from the baseline, no slower"
     ranked = sorted((p for p in left if p.candidate not in dropped), key=lambda p: -p.decode_tok_s)
     for p in ranked[keep:]:
         dropped[p.candidate] = f"not among the {keep} fastest of the screened candidates"

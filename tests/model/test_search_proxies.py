@@ -72,7 +72,7 @@ def test_screen_drops_far_outside_the_budget_and_the_beaten_and_keeps_the_fastes
     screened = screen(proxies, keep=2, max_ppl_increase=budget)
     assert screened.kept == ["q4_fast", "q8"]
     assert "KL" in screened.dropped["q3_wild"] and "15 × ln(1 + 0.05)" in screened.dropped["q3_wild"]
-    assert screened.dropped["q4_slow_bigger"].startswith("q4_fast is smaller")
+    assert screened.dropped["q4_slow_bigger"].startswith("q4_fast is no larger")
     assert "not among the 2 fastest" in screened.dropped["q5"]
     assert set(screened.kept) | set(screened.dropped) == {p.candidate for p in proxies}
     wide = screen(proxies, keep=10, max_ppl_increase=budget, kl_margin=30.0)

@@ -1,0 +1,112 @@
+"""The search's course (tasks/search/driver.py) by simulation: planted speeds with a shared machine-load term per
+pair and 5 % noise per run, planted perplexity per window. Equal recipes are not promoted on noise, a recipe
+surely outside the accuracy budget gets no benchmark run, a truly faster one is confirmed, and the counts add up."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tasks.search.driver import RacePlan, run_search
+from tasks.search.proxies import Proxy
+
+TOKENS = 256
+
+
+class Planted:
+    """Candidates of planted true speed (tok/s) and perplexity ratio (per window, with noise); every pair and
+    window it is asked for is counted."""
+
+    def __init__(
+        self,
+        speeds: dict[str, float],
+        ratios: dict[str, float],
+        seed: int,
+        kl: dict | None = None,
+        sizes=None,
+    ):
+        self.speeds, self.ratios, self.kl, self.sizes = speeds, ratios, kl or {}, sizes or {}
+        self.rng = np.random.default_rng(seed)
+        self.pairs: dict[str, int] = {}
+        base = np.random.default_rng(1000 + seed)
+        self.base_nll = {
+            split: 3.5 * TOKENS * (1 + 0.2 * base.random(200)) for split in ("search", "confirm")
+        }
+        self.noise = {
+            split: np.random.default_rng(2000 + seed).normal(0, 0.004, 200) for split in self.base_nll
+        }
+
+    def proxy(self, name):
+        kl = self.kl.get(name, math.log(self.ratios[name]))  # one noisy short decode for its speed
+        speed = self.speeds[name] * math.exp(self.rng.normal(0, 0.05))
+        return Proxy(name, self.sizes.get(name, 100), kl, (), speed)
+
+    def pair(self, name, leader):
+        self.pairs[name] = self.pairs.get(name, 0) + 1
+        load = math.exp(self.rng.normal(0, 0.1))  # the machine's load, shared by the two runs of a pair
+        run = lambda speed: speed * load * math.exp(self.rng.normal(0, 0.05))  # noqa: E731
+        return run(self.speeds[name]), run(self.speeds[leader])
+
+    def window_nll(self, name, split, start, stop):
+        base = self.base_nll[split][start:stop]
+        if name == "baseline":
+            return list(base)
+        shift = math.log(self.ratios[name]) * TOKENS
+        return list(base + shift + self.noise[split][start:stop] * TOKENS * (name != "leader"))
+
+    def window_tokens(self, split, start, stop):
+        return [TOKENS] * (stop - start)
+
+
+SPEEDS = {"leader": 100.0}
+PLAN = RacePlan(rounds=4, pairs_per_round=3, windows_per_round=16, confirm_pairs=6, confirm_windows=32)
+
+
+def test_recipes_as_fast_as_the_leader_are_not_promoted_on_noise():
+    wins = 0
+    for seed in range(150):
+        measurer = Planted(
+            {**SPEEDS, "a": 100.0, "b": 100.0, "c": 100.0},
+            {"a": 1.02, "b": 1.01, "c": 1.0},
+            seed,
+            sizes={"a": 80, "b": 100, "c": 120},  # a trade-off each: none is screened out by another
+        )
+        outcome = run_search(["a", "b", "c"], "leader", measurer, PLAN)
+        assert outcome.counts()["raced"] == 3
+        wins += outcome.winner is not None
+    assert wins <= 0.05 * 150  # confirmation on fresh pairs: a false win is one tail of a 95 % interval
+
+
+def test_a_recipe_surely_outside_the_budget_gets_no_benchmark_run_and_a_faster_one_is_confirmed():
+    measurer = Planted(
+        {**SPEEDS, "broken": 300.0, "fast": 125.0, "slow": 70.0},
+        {"broken": 1.4, "fast": 1.01, "slow": 1.0},
+        0,
+    )
+    outcome = run_search(["broken", "fast", "slow"], "leader", measurer, PLAN)
+    trials = outcome.trials
+    assert trials["broken"].stage == "dropped" and "outside the accuracy budget" in trials["broken"].reason
+    assert "broken" not in measurer.pairs  # dropped at its first look, before any pair
+    assert trials["slow"].stage == "dropped" and "slower than the leader" in trials["slow"].reason
+    assert outcome.winner == "fast" and trials["fast"].stage == "confirmed"
+    speed, accuracy = outcome.confirmation
+    assert speed.low > 1.0 and accuracy.decision == "within"
+    assert outcome.counts() == {"proposed": 3, "proxied": 3, "raced": 3, "measured": 1, "confirmed": 1}
+
+
+def test_the_screen_keeps_what_is_far_outside_from_the_race():
+    measurer = Planted(
+        {**SPEEDS, "wild": 400.0, "fast": 125.0}, {"wild": 2.0, "fast": 1.01}, 1, kl={"wild": 5.0}
+    )
+    outcome = run_search(["wild", "fast"], "leader", measurer, PLAN)
+    assert outcome.trials["wild"].stage == "screened out" and "KL" in outcome.trials["wild"].reason
+    assert "wild" not in measurer.pairs
+    assert outcome.counts()["raced"] == 1 and outcome.winner == "fast"
+
+
+def test_the_leader_is_not_its_own_candidate():
+    import pytest
+
+    with pytest.raises(ValueError, match="not a candidate of its own race"):
+        run_search(["leader"], "leader", Planted(SPEEDS, {}, 0), PLAN)
