@@ -173,7 +173,7 @@ def _confirmed(
     won = speed.low > 1.0 and accuracy.decision == "within"
     best.stage = "confirmed" if won else "not confirmed"
     best.reason = (
-        f"×{speed.ratio:.3f} the leader ({speed.low:.3f}–{speed.high:.3f} at {speed.confidence:.0%}) on fresh "
+        f"×{speed.ratio:.3f} the leader ({speed.low:.3f}–{speed.high:.3f} at {speed.confidence:.1%}) on fresh "
         f"pairs, perplexity ×{accuracy.ratio:.3f} (≤ {accuracy.high:.3f}) on held-out windows"
     )
     return SearchOutcome(trials, best.name if won else None, (speed, accuracy))

@@ -1,0 +1,94 @@
+"""The search's measurements on real engines: the `Measurer` the course (driver.py) asks, over built variants.
+
+Runtimes are loaded on demand through `load` and kept for the few most recently used (`keep_loaded`: the baseline,
+the leader and the candidate being raced stay; a round walks the candidates in order). A speed pair is one short
+greedy decode of each of the two, back to back, the order alternating from pair to pair (the machine's load moves
+both alike; which runs first does not favour either); each runtime decodes once untimed at its first use. Windows
+are scored once per (variant, split) and kept, so a later round reads only its new windows. The proxy windows'
+reference (the baseline's log-probabilities) is computed once."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from tasks.search.driver import Split
+from tasks.search.proxies import Proxy, log_probs, proxy
+
+
+class EngineMeasurer:
+    """`windows`: token windows per split ("proxy", "search", "confirm"); `sizes`: each variant's stored bytes;
+    `prompt`: the decode prompt's tokens; `new_tokens`: per timed decode."""
+
+    def __init__(
+        self,
+        load: Callable[[str], Any],
+        sizes: dict[str, int],
+        windows: dict[str, list[list[int]]],
+        prompt: list[int],
+        new_tokens: int = 32,
+        baseline: str = "baseline",
+        keep_loaded: int = 3,
+    ) -> None:
+        if new_tokens < 2:
+            raise ValueError("a timed decode needs at least 2 new tokens")
+        self._load, self._sizes, self._windows = load, sizes, windows
+        self._prompt, self._new_tokens, self._baseline = prompt, new_tokens, baseline
+        self._loaded: OrderedDict[str, Any] = OrderedDict()
+        self._keep = keep_loaded
+        self._warm: set[str] = set()
+        self._nll: dict[tuple[str, str], list[float]] = {}
+        self._reference: list[Any] | None = None
+        self.pairs = 0
+
+    def runtime(self, name: str) -> Any:
+        if name in self._loaded:
+            self._loaded.move_to_end(name)
+            return self._loaded[name]
+        runtime = self._load(name)
+        self._loaded[name] = runtime
+        while len(self._loaded) > self._keep:
+            _, gone = self._loaded.popitem(last=False)
+            getattr(gone, "close", lambda: None)()
+        return runtime
+
+    def proxy(self, name: str) -> Proxy:
+        if self._reference is None:
+            self._reference = log_probs(self.runtime(self._baseline), self._windows["proxy"])
+        return proxy(
+            name, self._sizes[name], self.runtime(name), self._reference, self._windows["proxy"], self._prompt
+        )
+
+    def pair(self, name: str, leader: str) -> tuple[float, float]:
+        self.pairs += 1
+        order = (name, leader) if self.pairs % 2 else (leader, name)
+        speeds = {who: self._timed_decode(who) for who in order}
+        return speeds[name], speeds[leader]
+
+    def window_nll(self, name: str, split: Split, start: int, stop: int) -> list[float]:
+        windows = self._windows[split]
+        if stop > len(windows):
+            raise ValueError(f"the {split} split has {len(windows)} windows, {stop} asked for")
+        done = self._nll.setdefault((name, split), [])
+        if len(done) < stop:
+            done.extend(nll for nll, _ in self.runtime(name).score(windows[len(done) : stop]))
+        return done[start:stop]
+
+    def window_tokens(self, split: Split, start: int, stop: int) -> list[int]:
+        return [len(window) - 1 for window in self._windows[split][start:stop]]  # tokens predicted
+
+    def _timed_decode(self, name: str) -> float:
+        runtime = self.runtime(name)
+        if name not in self._warm:
+            runtime.generate([self._prompt], self._new_tokens, stop_at_eos=False)
+            self._warm.add(name)
+        started = time.perf_counter()
+        runtime.generate([self._prompt], self._new_tokens, stop_at_eos=False)
+        return self._new_tokens / (time.perf_counter() - started)
+
+
+def token_windows(ids: list[int], window: int, count: int) -> list[list[int]]:
+    """`count` consecutive windows of `window` tokens from `ids` (fewer when the tokens run out)."""
+    return [ids[i : i + window] for i in range(0, min(len(ids), window * count) - window + 1, window)]

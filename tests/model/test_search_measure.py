@@ -1,0 +1,90 @@
+"""The search's measurements on real engines (tasks/search/measure.py) with the trained tiny model: the course run
+over real builds, timings and windows. A candidate with the leader's own bytes (equal cost by construction) is not
+promoted on the timing noise of this machine; windows are scored once per variant and split; pairs alternate
+which of the two runs first; runtimes are loaded on demand and the least recently used let go."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.config import TargetConfig
+from tasks.engines import load_runtime
+from tasks.params import VariantConfig
+from tasks.search.driver import RacePlan, run_search
+from tasks.search.measure import EngineMeasurer, token_windows
+from tasks.techniques.build import build_variant
+
+TEXT = (
+    "the river runs past the old stone bridge and the garden where the music played all winter long while the "
+    "village market sold letters and bread to every traveller who came down from the forest in the spring "
+)
+
+
+@pytest.fixture(scope="module")
+def folders(trained_base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("search")
+    recipes = {"baseline": {}, "int8": {"steps": [{"quantize": {"method": "torchao_int8_weight_only"}}]}}
+    built = {}
+    for name, recipe in recipes.items():
+        manifest = build_variant(name, VariantConfig.model_validate(recipe), trained_base, "d", root / name)
+        built[name] = (root / name, manifest.size_bytes)
+    built["twin"] = built["baseline"]  # the leader's own bytes under another name: the same cost, planted
+    return built
+
+
+def measurer(folders, loads: list[str], keep_loaded: int = 3) -> EngineMeasurer:
+    def load(name):
+        loads.append(name)
+        runtime = load_runtime(folders[name][0], TargetConfig(threads=1))
+        scored = runtime.score
+
+        def counting(sequences):
+            runtime.windows_scored = getattr(runtime, "windows_scored", 0) + len(sequences)
+            return scored(sequences)
+
+        runtime.score = counting
+        return runtime
+
+    ids = load_runtime(folders["baseline"][0], TargetConfig(threads=1)).encode(TEXT * 12)
+    windows = {
+        "proxy": token_windows(ids, 24, 2),
+        "search": token_windows(ids[48:], 24, 16),
+        "confirm": token_windows(ids[48 + 24 * 16 :], 24, 8),
+    }
+    assert [len(windows[split]) for split in ("proxy", "search", "confirm")] == [2, 16, 8]
+    sizes = {name: size for name, (_, size) in folders.items()}
+    return EngineMeasurer(load, sizes, windows, ids[:12], new_tokens=8, keep_loaded=keep_loaded)
+
+
+def test_a_candidate_of_the_leaders_own_cost_is_not_promoted_and_windows_are_scored_once(folders):
+    loads: list[str] = []
+    measured = measurer(folders, loads)
+    # alpha 0.002: a false win here is a 0.1 % tail, so this test fails on a broken rule, not on a noisy machine
+    plan = RacePlan(
+        alpha=0.002, rounds=2, pairs_per_round=3, windows_per_round=8, confirm_pairs=6, confirm_windows=8
+    )
+    outcome = run_search(["twin", "int8"], "baseline", measured, plan)
+    assert outcome.winner != "twin"
+    assert outcome.trials["twin"].stage in ("dropped", "measured", "not confirmed", "screened out")
+    assert outcome.counts()["proposed"] == 2 and outcome.counts()["proxied"] == 2
+    for name in ("baseline", "twin", "int8"):  # each window of each split scored once, whatever the rounds
+        runtime = measured.runtime(name)
+        assert getattr(runtime, "windows_scored", 0) <= 16 + 8
+    assert measured.window_tokens("search", 0, 3) == [23, 23, 23]
+
+
+def test_pairs_alternate_and_runtimes_load_on_demand(folders):
+    loads: list[str] = []
+    measured = measurer(folders, loads, keep_loaded=2)
+    calls = []
+    original = measured._timed_decode
+    measured._timed_decode = lambda name: calls.append(name) or original(name)
+    first, second = measured.pair("int8", "baseline"), measured.pair("int8", "baseline")
+    assert calls == ["int8", "baseline", "baseline", "int8"] and all(speed > 0 for speed in first + second)
+    measured.runtime("twin")  # a third: the least recently used (baseline, which ran before int8) goes
+    measured.runtime("int8")
+    assert loads == ["int8", "baseline", "twin"]
+    measured.runtime("baseline")
+    assert loads == ["int8", "baseline", "twin", "baseline"]
+    with pytest.raises(ValueError, match="16 windows"):
+        measured.window_nll("baseline", "search", 0, 17)
