@@ -28,6 +28,7 @@ from tasks.config import (
     TrackingConfig,
 )
 from tasks.schema import Strict
+from tasks.search.settings import SearchConfig
 from tasks.techniques import catalog, registry
 
 
@@ -156,6 +157,7 @@ class Config(Strict):
     schedule: ScheduleConfig = ScheduleConfig()
     services: ServicesConfig = ServicesConfig()
     cluster: ClusterConfig = ClusterConfig()
+    search: SearchConfig = SearchConfig()  # `llmopt search` (docs/search.md)
 
     @model_validator(mode="before")
     @classmethod
@@ -203,6 +205,10 @@ class Config(Strict):
             raise ValueError(
                 f"select.max_gpu_mb bounds GPU memory, which a {self.target.device} target does not use; "
                 "use max_rss_mb"
+            )
+        if self.search.leader is not None and self.search.leader not in self.variants:
+            raise ValueError(
+                f"search.leader names {self.search.leader!r}, which is not a variant of params.yaml"
             )
         if self.services.prefect_worker and self.schedule.work_pool is None:
             raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")

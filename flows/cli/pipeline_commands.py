@@ -8,7 +8,14 @@ from typing import Annotated
 import typer
 
 from flows.cli.app import DebugOption, ParamsOption, app
-from flows.cli.render import print_comparison, print_history, print_leaderboard, print_outcome, print_spread
+from flows.cli.render import (
+    print_comparison,
+    print_history,
+    print_leaderboard,
+    print_outcome,
+    print_search,
+    print_spread,
+)
 from flows.cli.session import CommandSession, console
 from tasks.errors import ConfigError, GateError, RegistryError
 from tasks.params import Config
@@ -183,3 +190,16 @@ def _forced_move(
     if not move_production(config.project.name, version, before, actor, kind, reason, tag):
         raise RegistryError("production moved while this command ran; see `llmopt history`")
     console.print(f"production → v{version} ({kind}: {reason}); was {f'v{before}' if before else 'none'}")
+
+
+@app.command()
+def search(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
+    """Search params.yaml's `search.space` (every combination of its choices) beside params.yaml's own variants:
+    proxies for all (size, KL to the baseline, a short decode), then a race against the leader with paired
+    statistics, the winner confirmed on fresh measurements. Writes .llmopt/search/ and one MLflow run per trial;
+    nothing is registered (add the winner's block to params.yaml and `llmopt run`)."""
+    with CommandSession(debug) as session:
+        config, root = session.flow_run(params, "search")
+        from flows.search import search_flow
+
+        print_search(search_flow(config, root))

@@ -226,3 +226,33 @@ def print_peer_comparison(table: list, repeats: int) -> None:
         "ratios per repeat against llmopt's figure of the same repeat (median, lowest–highest): above 1 in tok/s "
         "and below 1 in TTFT p95, the peer does better"
     )
+
+
+def print_search(report) -> None:
+    """Every trial of a search (the stage it reached, its proxies and last looks, why it stopped), the notes, the
+    winner's `variants:` block, and the summary line."""
+    table = Table(title=f"search against {report.leader}")
+    for column in ("candidate", "stage", "KL", "proxy tok/s", "speed × leader (CI)", "ppl ×", "why"):
+        table.add_column(column, overflow="fold")
+    for name, trial in report.outcome.trials.items():
+        last = trial.looks[-1] if trial.looks else None
+        speed = last.speed if last else None
+        accuracy = last.accuracy if last else None
+        table.add_row(
+            name,
+            trial.stage,
+            f"{trial.proxy.kl:.3g}" if trial.proxy else "–",
+            f"{trial.proxy.decode_tok_s:.1f}" if trial.proxy else "–",
+            f"{speed.ratio:.3f} ({speed.low:.3f}–{speed.high:.3f})" if speed else "–",
+            f"{accuracy.ratio:.3f}" if accuracy else "–",
+            trial.reason,
+        )
+    _wide_console().print(table)
+    for note in report.notes:
+        console.print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
+    for path in report.files:
+        console.print(f"wrote {path}", soft_wrap=True, highlight=False, markup=False)
+    if report.winner_block:
+        console.print("The winner, as params.yaml's `variants:` entry (add it to run it through the gate):")
+        console.print(report.winner_block, soft_wrap=True, highlight=False, markup=False)
+    console.print(report.summary(), soft_wrap=True, highlight=False, markup=False)

@@ -17,7 +17,7 @@ from tasks.params_file import load_config
 
 console = Console(stderr=True)
 # Commands that write the project's shared state: each holds the project lock (tasks/project_lock.py) until it ends
-WRITERS = frozenset({"run", "promote", "bench", "prepare", "rollback"})
+WRITERS = frozenset({"run", "promote", "bench", "prepare", "rollback", "search"})
 
 
 class CommandSession:

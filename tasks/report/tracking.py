@@ -24,7 +24,8 @@ from tasks.measure.evaluate import VariantEvaluation
 from tasks.measure.served import served_metrics
 from tasks.params import Config
 from tasks.report.plots import precision_plot
-from tasks.techniques import registry
+from tasks.report.recipe_params import flatten as _flatten
+from tasks.report.recipe_params import recipe_params
 
 
 def tracking_uri(cfg: TrackingConfig, root: Path) -> str:
@@ -115,6 +116,33 @@ def log_standalone_run(
     return run.info.run_id
 
 
+def log_nested_run(
+    experiment_id: str,
+    parent_run_id: str,
+    name: str,
+    tags: dict[str, str],
+    params: dict[str, Any],
+    metrics: dict[str, float],
+) -> str:
+    """A finished run nested under `parent_run_id` (a search's trial): tags, params, metrics (nan: not logged)."""
+    import time
+
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric, Param
+
+    client = MlflowClient()
+    nested = {"mlflow.parentRunId": parent_run_id, **tags, **process_tags()}
+    run_id = client.create_run(experiment_id, run_name=name, tags=nested).info.run_id
+    stamp = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[Metric(k, float(v), stamp, 0) for k, v in metrics.items() if v == v],
+        params=[Param(k, str(v)[:6000]) for k, v in params.items()],
+    )
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
 def ui_base() -> tuple[str, str]:
     """(where the MLflow UI of the current store is, how to open it): the tracking server itself when there is
     one, else `make ui` on the embedded store."""
@@ -170,17 +198,6 @@ def parent_run(
             client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}: MLflow params are flat."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def log_variant_run(
@@ -307,33 +324,6 @@ def _mixed_precision_metrics(plan: dict[str, Any]) -> dict[str, float]:
         "mixed_precision.int4_ppl_increase": plan["int4_ppl_increase"],
         "mixed_precision.size_ratio": plan["size_ratio"],
     }
-
-
-_DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float16": 16}
-
-
-def recipe_params(manifest: VariantManifest) -> dict[str, Any]:
-    """The recipe as flat, comparable MLflow params: the technique family, the weight precision in bits, every
-    step setting as `<step>.<setting>` and the resolved runtime settings as `runtime.<setting>` (so the compare
-    view can plot block size or precision against speed), plus the engine, format, hash and the recipe itself."""
-    steps = manifest.recipe.get("steps", [])
-    params: dict[str, Any] = {
-        "technique": "+".join(next(iter(step)) for step in steps) or "runtime",
-        "weight_bits": _DTYPE_BITS.get(manifest.dtype, 32),
-        "dtype": manifest.dtype,
-        "engine": manifest.engine,
-        "weights_format": manifest.weights_format,
-        "recipe_hash": manifest.recipe_hash,
-        "recipe": json.dumps(manifest.recipe, sort_keys=True),
-    }
-    for step in steps:
-        ((name, settings),) = step.items()
-        params.update(_flatten(settings, f"{name}."))
-        read = registry.recorded_settings(name, settings)  # None: a step this version cannot read: no bits
-        bits = read[0].weight_bits(read[1], manifest) if read else None
-        params["weight_bits"] = bits or params["weight_bits"]
-    params.update(_flatten(manifest.runtime_settings().model_dump(mode="json"), "runtime."))
-    return params
 
 
 def log_reports(

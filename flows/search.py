@@ -1,0 +1,155 @@
+"""The search flow (`llmopt search`): build params.yaml's variants and the space's candidates, take every one's
+proxies, race the screened ones against the leader, confirm the winner, and leave the record: one MLflow parent
+run with a nested run per trial, `.llmopt/search/trials.json` and the winner's `variants:` block. The stage logic
+is tasks/search/; this module wires it to the prepared inputs, the builds and MLflow."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.progress import progress_bar
+from flows.stages import benchmark_fingerprint, prepare_inputs, workdir
+from tasks.engines import load_runtime
+from tasks.engines.manifest import VariantManifest
+from tasks.inputs.data import read_split
+from tasks.inputs.load import PreparedBase
+from tasks.params import Config, VariantConfig
+from tasks.project_lock import project_lock
+from tasks.report.tracking import (
+    configure_tracking,
+    log_nested_run,
+    log_run_report,
+    parent_run,
+    recipe_params,
+)
+from tasks.search.course import (
+    choose_leader,
+    proposals,
+    race_plan,
+    split_windows,
+    winner_block,
+    write_record,
+)
+from tasks.search.driver import SearchOutcome, run_search
+from tasks.search.measure import EngineMeasurer
+from tasks.techniques.build import build_variant
+
+
+@dataclass(frozen=True)
+class SearchReport:
+    outcome: SearchOutcome
+    leader: str
+    notes: list[str]
+    files: list[Path]
+    winner_block: str | None
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{count} {stage}" for stage, count in self.outcome.counts().items())
+        if self.outcome.winner is None:
+            return f"search: {counts}; no candidate beat {self.leader} with confidence"
+        speed, _ = self.outcome.confirmation
+        return (
+            f"search: {counts}; {self.outcome.winner} runs ×{speed.ratio:.3f} {self.leader} "
+            f"({speed.low:.3f}–{speed.high:.3f} at {speed.confidence:.0%}, confirmed on fresh pairs)"
+        )
+
+
+@task(name="build", task_run_name="build-{name}", cache_policy=NO_CACHE)
+def search_build_task(
+    name: str, variant: VariantConfig, base: PreparedBase, data_hash: str, root: Path, calibration: list[str]
+) -> VariantManifest:
+    """One build into `.llmopt/search/variants/<name>`; bytes a run's variant already holds are linked."""
+    with progress_bar("build", name) as update:
+        return build_variant(
+            name,
+            variant,
+            base,
+            data_hash,
+            root / "search" / "variants" / name,
+            calibration,
+            lambda _, i, n: update(i, n),
+            statistics=root / "statistics",
+            siblings=root / "variants",
+        )
+
+
+@flow(name="llmopt-search", task_runner=ThreadPoolTaskRunner(max_workers=1))
+def search_flow(config: Config, root: Path) -> SearchReport:
+    with project_lock(workdir(config, root), "search", get_run_logger().warning):
+        return _search(config, root)
+
+
+def _search(config: Config, root: Path) -> SearchReport:
+    logger, started, work = get_run_logger(), time.monotonic(), workdir(config, root)
+    base, data = prepare_inputs(config, root)
+    defaults, candidates, notes = proposals(config)
+    calibration, evaluation = read_split(data.folder, "calibration"), read_split(data.folder, "evaluation")
+    experiment_id = configure_tracking(config.tracking, root)
+    lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
+    with parent_run(experiment_id, config, lineage, benchmark_fingerprint(config), kind="search") as run:
+        manifests: dict[str, VariantManifest] = {}
+        baseline = config.select.baseline
+        order = {
+            baseline: config.variants[baseline],
+            **defaults,
+            **{n: c.variant for n, c in candidates.items()},
+        }
+        for name, variant in order.items():
+            over = (
+                config.search.budget_minutes
+                and time.monotonic() - started > 60 * config.search.budget_minutes
+            )
+            if over and name in candidates:
+                notes.append(f"{name}: not built, search.budget_minutes reached")
+                continue
+            manifests[name] = search_build_task(name, variant, base, data.content_hash, work, calibration)
+        folders = {name: work / "search" / "variants" / name for name in manifests}
+        encoder = load_runtime(folders[baseline], config.target)  # the windows and prompt, in its tokens
+        windows = split_windows(encoder.encode, calibration, evaluation, config)
+        prompt = encoder.encode(evaluation[0])[: config.benchmark.prompt_tokens]
+        del encoder
+        measurer = EngineMeasurer(
+            lambda name: load_runtime(folders[name], config.target),
+            {name: manifest.size_bytes for name, manifest in manifests.items()},
+            windows,
+            prompt,
+            config.search.decode_tokens,
+            baseline,
+        )
+        plan = race_plan(config)
+        kl_limit = plan.kl_margin * math.log1p(plan.max_ppl_increase)
+        leader = choose_leader(config, {name: measurer.proxy(name) for name in defaults}, kl_limit)
+        racing = [name for name in manifests if name not in (baseline, leader)]
+        logger.info(f"leader: {leader}; racing {len(racing)} candidates")
+        outcome = run_search(racing, leader, measurer, plan)
+        recipes = {name: manifest.recipe for name, manifest in manifests.items()}
+        block = winner_block(outcome, candidates)
+        files = write_record(work / "search", outcome, recipes, block)
+        for name, trial in outcome.trials.items():
+            _log_trial(experiment_id, run.run_id, manifests[name], trial, leader)
+        log_run_report(run.run_id, files, {f"search.{k}": float(v) for k, v in outcome.counts().items()})
+    return SearchReport(outcome, leader, notes, files, block)
+
+
+def _log_trial(experiment_id: str, parent: str, manifest: VariantManifest, trial, leader: str) -> None:
+    last = trial.looks[-1] if trial.looks else None
+    metrics = {}
+    if trial.proxy is not None:
+        metrics |= {"proxy.kl": trial.proxy.kl, "proxy.decode_tok_s": trial.proxy.decode_tok_s}
+        metrics["size_mb"] = trial.proxy.stored_bytes / 1e6
+    if last is not None and last.speed is not None:
+        metrics |= {"race.speed_ratio": last.speed.ratio, "race.speed_low": last.speed.low}
+        metrics["race.speed_high"] = last.speed.high if math.isfinite(last.speed.high) else float("nan")
+    if last is not None and last.accuracy is not None:
+        metrics |= {"race.ppl_ratio": last.accuracy.ratio, "race.ppl_ratio_high": last.accuracy.high}
+    tags = {"llmopt.kind": "search-trial", "llmopt.variant": trial.name, "llmopt.search_stage": trial.stage}
+    tags |= {"llmopt.search_reason": trial.reason[:5000], "llmopt.search_leader": leader}
+    params = {**recipe_params(manifest), "rounds": len(trial.looks), "pairs": len(trial.speeds[0])}
+    log_nested_run(experiment_id, parent, trial.name, tags, params, metrics)

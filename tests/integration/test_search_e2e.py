@@ -1,0 +1,55 @@
+"""`llmopt search` end to end on a tiny project (real Prefect, MLflow, builds and engines): params.yaml's own
+variants and the space's candidates proxied, raced against the leader, the record written and every trial a nested
+MLflow run under one search run; a space's candidate equal to a params.yaml variant is raced once, as that variant."""
+
+from __future__ import annotations
+
+import json
+
+from tests.integration.project import make_project, run, tiny_params
+
+SEARCH = {
+    "space": {"quantize": {"method": ["torchao_int8_weight_only", "torch_dynamic_int8"]}},
+    "window_tokens": 16,
+    "rounds": 2,
+    "windows_per_round": 4,
+    "pairs_per_round": 2,
+    "confirm_pairs": 3,
+    "confirm_windows": 4,
+    "proxy_windows": 2,
+    "decode_tokens": 8,
+}
+
+
+def test_search_races_the_candidates_and_records_every_trial(tmp_path, tiny_model_dir, corpus_dir):
+    params = tiny_params(tiny_model_dir, corpus_dir, search=SEARCH)
+    params["data"]["evaluation_passages"] = 8
+    params["variants"] = {
+        "baseline": {},
+        "bf16": {"runtime": {"dtype": "bfloat16"}},
+        "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
+    }
+    root = make_project(tmp_path / "project", params)
+    result = run(root, "llmopt", "search")
+    out = result.stdout + result.stderr  # the table on stdout, the notes and the last line beside the log
+    assert "search: 2 proposed, 2 proxied, 2 raced" in out, out
+    assert "params.yaml's int8_dynamic, raced as that" in out
+    record = json.loads((root / ".llmopt" / "search" / "trials.json").read_text())
+    trials = {trial["name"]: trial for trial in record["trials"]}
+    assert len(trials) == 2 and record["counts"]["proposed"] == 2
+    # the leader is the faster of params.yaml's two on the proxies' decode; the other races with the candidate
+    assert "quantize-torchao_int8_weight_only" in trials and len(set(trials) & {"bf16", "int8_dynamic"}) == 1
+    for trial in trials.values():
+        assert trial["stage"] in ("screened out", "dropped", "measured", "confirmed", "not confirmed"), trial
+        assert trial["proxy"]["kl"] >= 0 and trial["proxy"]["stored_bytes"] > 0
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("llmopt")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("llmopt.kind") == "search"]
+    nested = [r for r in runs if r.data.tags.get("llmopt.kind") == "search-trial"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(r.data.tags["llmopt.variant"] for r in nested) == sorted(trials)
+    assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in nested)
+    assert all("proxy.kl" in r.data.metrics and r.data.tags["llmopt.search_stage"] for r in nested)

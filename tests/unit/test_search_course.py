@@ -1,0 +1,77 @@
+"""What a search runs, from params.yaml (tasks/search/course.py, tasks/search/settings.py): the candidates, the
+windows, the leader, the record it leaves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.errors import ConfigError
+from tasks.params import Config
+from tasks.search.course import choose_leader, proposals, split_windows, winner_block, write_record
+from tasks.search.driver import SearchOutcome, Trial
+from tasks.search.proxies import Proxy
+from tasks.search.space import expand
+
+VARIANTS = {
+    "baseline": {},
+    "onnx_int8": {"steps": [{"onnx_genai": {"precision": "int8", "block_size": 32}}]},
+    "gguf_shipped": {"steps": [{"llama_cpp": {"type": "shipped"}}]},
+}
+SPACE = {"onnx_genai": {"precision": ["int8"], "block_size": [32, 64, 128]}}
+
+
+def config(**search) -> Config:
+    return Config.model_validate({"variants": VARIANTS, "search": {"space": SPACE, **search}})
+
+
+def test_proposals_race_the_variants_but_not_the_baseline_or_the_peer_and_each_recipe_once():
+    defaults, candidates, notes = proposals(config())
+    assert list(defaults) == ["onnx_int8"]  # the peer row is measured beside, never selected: not raced
+    assert list(candidates) == ["onnx_genai-int8-block_size64", "onnx_genai-int8-block_size128"]
+    assert notes == ["onnx_genai-int8-block_size32: params.yaml's onnx_int8, raced as that"]
+    _, capped, notes = proposals(config(max_candidates=2))
+    assert list(capped) == ["onnx_genai-int8-block_size64"] and "past search.max_candidates" in notes[-1]
+    with pytest.raises(ConfigError, match="search.space is empty"):
+        proposals(Config.model_validate({"variants": VARIANTS}))
+
+
+def test_settings_name_the_culprit():
+    with pytest.raises(ValueError, match="search.leader names 'fastest'"):
+        config(leader="fastest")
+    with pytest.raises(ValueError, match="search.space.onnx_genai.block_size: at least one choice"):
+        Config.model_validate({"variants": VARIANTS, "search": {"space": {"onnx_genai": {"block_size": []}}}})
+
+
+def test_split_windows_are_disjoint_and_too_few_is_an_error_naming_the_settings():
+    encode = lambda text: list(range(len(text.split())))  # noqa: E731 — a word per token
+    cfg = config(window_tokens=16, rounds=2, windows_per_round=3, confirm_windows=2, proxy_windows=2)
+    windows = split_windows(encode, ["w " * 100], ["w " * 200], cfg)
+    assert [len(windows[s]) for s in ("proxy", "search", "confirm")] == [2, 6, 2]
+    assert windows["search"][-1][-1] < windows["confirm"][0][0]  # held out: later tokens
+    with pytest.raises(
+        ConfigError, match="gives 6 windows of 16 tokens, the race and its confirmation read 8"
+    ):
+        split_windows(encode, ["w " * 100], ["w " * 100], cfg)
+
+
+def test_the_leader_is_the_one_named_or_the_fastest_close_enough():
+    proxies = {"a": Proxy("a", 1, 0.01, (), 100.0), "b": Proxy("b", 1, 0.9, (), 300.0)}
+    assert choose_leader(config(), proxies, kl_limit=0.5) == "a"  # b is faster but far outside the budget
+    assert choose_leader(config(leader="onnx_int8"), proxies, 0.5) == "onnx_int8"
+    assert choose_leader(config(), {"b": proxies["b"]}, 0.5) == "baseline"
+
+
+def test_the_record_holds_every_trial_and_the_winners_block_only_when_there_is_one(tmp_path):
+    candidates = {c.name: c for c in expand(SPACE).candidates}
+    trial = Trial("onnx_genai-int8-block_size64", "confirmed", "×1.2", Proxy("x", 1, 0.0, (0.0,), 9.0))
+    won = SearchOutcome({trial.name: trial}, trial.name, None)
+    files = write_record(tmp_path, won, {trial.name: {"steps": []}}, winner_block(won, candidates))
+    assert [f.name for f in files] == ["trials.json", "winner.yaml"]
+    assert "onnx_genai-int8-block_size64:" in (tmp_path / "winner.yaml").read_text()
+    record = json.loads((tmp_path / "trials.json").read_text())
+    assert record["winner"] == trial.name and record["trials"][0]["stage"] == "confirmed"
+    lost = SearchOutcome({trial.name: trial}, None, None)
+    write_record(tmp_path, lost, {}, winner_block(lost, candidates))
+    assert not (tmp_path / "winner.yaml").exists()  # a stale winner is not left behind
