@@ -9,18 +9,18 @@ reference (the baseline's log-probabilities) is computed once."""
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from tasks.search.driver import Split
-from tasks.search.proxies import Proxy, log_probs, proxy
+from tasks.search.proxies import Proxy, log_probs, proxy, timed_decode
 
 
 class EngineMeasurer:
     """`windows`: token windows per split ("proxy", "search", "confirm"); `sizes`: each variant's stored bytes;
-    `prompt`: the decode prompt's tokens; `new_tokens`: per timed decode."""
+    `prompt`: the decode prompt's tokens; `new_tokens`: per timed decode (its rate after the first token, as
+    the benchmark reads decode speed)."""
 
     def __init__(
         self,
@@ -57,8 +57,10 @@ class EngineMeasurer:
     def proxy(self, name: str) -> Proxy:
         if self._reference is None:
             self._reference = log_probs(self.runtime(self._baseline), self._windows["proxy"])
+        runtime, windows = self.runtime(name), self._windows["proxy"]
+        self._warm.add(name)  # the proxy's decode warmed it
         return proxy(
-            name, self._sizes[name], self.runtime(name), self._reference, self._windows["proxy"], self._prompt
+            name, self._sizes[name], runtime, self._reference, windows, self._prompt, self._new_tokens
         )
 
     def pair(self, name: str, leader: str) -> tuple[float, float]:
@@ -84,9 +86,7 @@ class EngineMeasurer:
         if name not in self._warm:
             runtime.generate([self._prompt], self._new_tokens, stop_at_eos=False)
             self._warm.add(name)
-        started = time.perf_counter()
-        runtime.generate([self._prompt], self._new_tokens, stop_at_eos=False)
-        return self._new_tokens / (time.perf_counter() - started)
+        return timed_decode(runtime, self._prompt, self._new_tokens)
 
 
 def token_windows(ids: list[int], window: int, count: int) -> list[list[int]]:
