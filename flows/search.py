@@ -16,7 +16,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.progress import progress_bar
 from flows.stages import benchmark_fingerprint, prepare_inputs, workdir
-from tasks.engines import load_runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.inputs.data import read_split
 from tasks.inputs.load import PreparedBase
@@ -38,6 +37,7 @@ from tasks.search.course import (
     write_record,
 )
 from tasks.search.driver import SearchOutcome, run_search
+from tasks.search.isolated import IsolatedRuntime
 from tasks.search.measure import EngineMeasurer
 from tasks.techniques.build import build_variant
 
@@ -111,17 +111,18 @@ def _search(config: Config, root: Path) -> SearchReport:
                 continue
             manifests[name] = search_build_task(name, variant, base, data.content_hash, work, calibration)
         folders = {name: work / "search" / "variants" / name for name in manifests}
-        encoder = load_runtime(folders[baseline], config.target)  # the windows and prompt, in its tokens
-        windows = split_windows(encoder.encode, calibration, evaluation, config)
-        prompt = encoder.encode(evaluation[0])[: config.benchmark.prompt_tokens]
-        del encoder
+        reference = IsolatedRuntime(folders[baseline], config.target)  # engines apart: see isolated.py
+        windows = split_windows(reference.encode, calibration, evaluation, config)
+        prompt = reference.encode(evaluation[0])[: config.benchmark.prompt_tokens]
         measurer = EngineMeasurer(
-            lambda name: load_runtime(folders[name], config.target),
+            lambda name: IsolatedRuntime(folders[name], config.target),
             {name: manifest.size_bytes for name, manifest in manifests.items()},
             windows,
             prompt,
             config.search.decode_tokens,
             baseline,
+            keep_loaded(manifests),
+            {baseline: reference},
         )
         plan = race_plan(config)
         kl_limit = plan.kl_margin * math.log1p(plan.max_ppl_increase)
@@ -135,7 +136,18 @@ def _search(config: Config, root: Path) -> SearchReport:
         for name, trial in outcome.trials.items():
             _log_trial(experiment_id, run.run_id, manifests[name], trial, leader)
         log_run_report(run.run_id, files, {f"search.{k}": float(v) for k, v in outcome.counts().items()})
+        measurer.close()
     return SearchReport(outcome, leader, notes, files, block)
+
+
+def keep_loaded(manifests: dict[str, VariantManifest]) -> int:
+    """How many variants' processes stay loaded: all of them where memory allows (a round walks every candidate,
+    the baseline and the leader: fewer means loading again every round), at least 3. Each process is counted as its
+    largest variant's bytes twice (weights and working memory) plus 0.5 GB (an interpreter with its libraries)."""
+    from tasks.engines.contract import free_memory
+
+    each = 2 * max((m.size_bytes for m in manifests.values()), default=0) + 500 * 2**20
+    return max(3, min(len(manifests), free_memory() // each))
 
 
 def _log_trial(experiment_id: str, parent: str, manifest: VariantManifest, trial, leader: str) -> None:

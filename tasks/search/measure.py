@@ -31,12 +31,13 @@ class EngineMeasurer:
         new_tokens: int = 32,
         baseline: str = "baseline",
         keep_loaded: int = 3,
+        loaded: dict[str, Any] | None = None,
     ) -> None:
         if new_tokens < 2:
             raise ValueError("a timed decode needs at least 2 new tokens")
         self._load, self._sizes, self._windows = load, sizes, windows
         self._prompt, self._new_tokens, self._baseline = prompt, new_tokens, baseline
-        self._loaded: OrderedDict[str, Any] = OrderedDict()
+        self._loaded: OrderedDict[str, Any] = OrderedDict(loaded or {})  # runtimes the caller loaded already
         self._keep = keep_loaded
         self._warm: set[str] = set()
         self._nll: dict[tuple[str, str], list[float]] = {}
@@ -53,6 +54,12 @@ class EngineMeasurer:
             _, gone = self._loaded.popitem(last=False)
             getattr(gone, "close", lambda: None)()
         return runtime
+
+    def close(self) -> None:
+        """Let every loaded runtime go (a process of its own ends)."""
+        while self._loaded:
+            _, gone = self._loaded.popitem(last=False)
+            getattr(gone, "close", lambda: None)()
 
     def proxy(self, name: str) -> Proxy:
         if self._reference is None:

@@ -88,3 +88,33 @@ def test_pairs_alternate_and_runtimes_load_on_demand(folders):
     assert loads == ["int8", "baseline", "twin", "baseline"]
     with pytest.raises(ValueError, match="16 windows"):
         measured.window_nll("baseline", "search", 0, 17)
+
+
+def test_a_runtime_in_a_process_of_its_own_answers_as_the_runtime_does(folders):
+    """What the search loads (engines apart, tasks/search/isolated.py): the same tokens, scores and logits as the
+    runtime in this process, a timed decode from the child, the child's errors as this process's, and the process
+    gone once closed."""
+    import numpy as np
+
+    from tasks.errors import EngineError
+    from tasks.search.isolated import IsolatedRuntime
+    from tasks.search.proxies import timed_decode
+
+    local = load_runtime(folders["int8"][0], TargetConfig(threads=1))
+    isolated = IsolatedRuntime(folders["int8"][0], TargetConfig(threads=1))
+    try:
+        ids = isolated.encode(TEXT)
+        assert ids == local.encode(TEXT)
+        assert isolated.generate([ids[:10]], 6, stop_at_eos=False) == local.generate(
+            [ids[:10]], 6, stop_at_eos=False
+        )
+        ((nll, count),), ((expected, counted),) = isolated.score([ids[:20]]), local.score([ids[:20]])
+        assert nll == pytest.approx(expected, rel=1e-5) and count == counted
+        assert np.allclose(isolated.position_logits(ids[:12]), local.position_logits(ids[:12]), atol=1e-4)
+        assert timed_decode(isolated, ids[:10], 8) > 0
+        with pytest.raises(EngineError, match="cannot generate from an empty prompt"):
+            isolated.generate([[]], 4)
+        assert isolated.encode("still answering") == local.encode("still answering")
+    finally:
+        isolated.close()
+    assert not isolated._process.is_alive()
