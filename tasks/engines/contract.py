@@ -227,14 +227,26 @@ class BatchDecoder(abc.ABC):
 def next_token_nll(logits: Any, ids: list[int]) -> tuple[float, int]:
     """`score`'s result for one sequence from its per-position logits [n or more, vocab] (numpy, any float type):
     row i predicts token i + 1; computed in float64 (torch's log-softmax: several times numpy's speed over a
-    large vocabulary, which the evaluation and the llama.cpp plan measurements pay per window)."""
+    large vocabulary, which the evaluation and the llama.cpp plan measurements pay per window).
+
+    On one torch thread: the engines that call this are not torch's, and once torch's thread pool has run in a
+    process, llama.cpp decodes there at 32-34 tok/s instead of 84-86 (SmolLM2 Q4_0, 2 cores; its own OpenMP
+    threads and torch's contend for the rest of the process's life), which slowed every later call of a llama.cpp
+    runtime that had scored a window."""
     import numpy as np
     import torch
 
-    targets = torch.as_tensor(ids[1:], dtype=torch.int64)
-    rows = torch.from_numpy(np.array(logits[: len(targets)], dtype=np.float32)).double()  # a writable copy
-    log_probs = torch.log_softmax(rows, dim=-1)
-    return float(-log_probs.gather(1, targets[:, None]).sum()), len(targets)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        targets = torch.as_tensor(ids[1:], dtype=torch.int64)
+        rows = torch.from_numpy(
+            np.array(logits[: len(targets)], dtype=np.float32)
+        ).double()  # a writable copy
+        log_probs = torch.log_softmax(rows, dim=-1)
+        return float(-log_probs.gather(1, targets[:, None]).sum()), len(targets)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -108,3 +108,29 @@ def test_next_token_nll_is_the_float64_log_softmax_of_each_next_token():
     total, count = next_token_nll(logits, ids)
     assert count == 5 and total == pytest.approx(expected, rel=1e-12)
     assert next_token_nll(logits, ids[:1]) == (0.0, 0)
+
+
+def test_next_token_nll_runs_on_one_torch_thread_and_leaves_the_setting_as_it_was(monkeypatch):
+    """The engines that call it are not torch's: torch's thread pool, once run in a process, made llama.cpp decode
+    2.5x slower there for the rest of its life (docs/search.md). The log-softmax sees one thread; the caller's
+    setting is back afterwards, also when the computation fails."""
+    import numpy as np
+    import torch
+
+    from tasks.engines.contract import next_token_nll
+
+    seen = []
+    original = torch.log_softmax
+    monkeypatch.setattr(
+        torch, "log_softmax", lambda *a, **k: seen.append(torch.get_num_threads()) or original(*a, **k)
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        next_token_nll(np.zeros((4, 10), dtype=np.float32), [1, 2, 3, 4])
+        assert seen == [1] and torch.get_num_threads() == 2
+        with pytest.raises((IndexError, RuntimeError)):
+            next_token_nll(np.zeros((4, 10), dtype=np.float32), [1, 2, 3, 40])  # an id past the vocabulary
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
