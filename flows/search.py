@@ -21,6 +21,7 @@ from tasks.inputs.data import read_split
 from tasks.inputs.load import PreparedBase
 from tasks.params import Config, VariantConfig
 from tasks.project_lock import project_lock
+from tasks.report.search_plot import search_plot
 from tasks.report.tracking import (
     configure_tracking,
     log_nested_run,
@@ -33,6 +34,7 @@ from tasks.search.course import (
     proposals,
     race_plan,
     split_windows,
+    trial_records,
     winner_block,
     write_record,
 )
@@ -126,13 +128,19 @@ def _search(config: Config, root: Path) -> SearchReport:
         )
         plan = race_plan(config)
         kl_limit = plan.kl_margin * math.log1p(plan.max_ppl_increase)
-        leader = choose_leader(config, {name: measurer.proxy(name) for name in defaults}, kl_limit)
+        default_proxies = {name: measurer.proxy(name) for name in defaults}
+        leader = choose_leader(config, default_proxies, kl_limit)
         racing = [name for name in manifests if name not in (baseline, leader)]
         logger.info(f"leader: {leader}; racing {len(racing)} candidates")
-        outcome = run_search(racing, leader, measurer, plan)
+        outcome = run_search(racing, leader, measurer, plan, logger.info)
         recipes = {name: manifest.recipe for name, manifest in manifests.items()}
         block = winner_block(outcome, candidates)
         files = write_record(work / "search", outcome, recipes, block)
+        mark = default_proxies.get(leader)
+        mark = (leader, mark.kl, mark.decode_tok_s) if mark else None
+        files.append(
+            search_plot(trial_records(outcome, recipes), mark, kl_limit, work / "search" / "search.png")
+        )
         for name, trial in outcome.trials.items():
             _log_trial(experiment_id, run.run_id, manifests[name], trial, leader)
         log_run_report(run.run_id, files, {f"search.{k}": float(v) for k, v in outcome.counts().items()})

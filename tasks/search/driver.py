@@ -17,6 +17,7 @@ windows in the real search; planted figures in the tests), so the same course is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -94,8 +95,15 @@ class SearchOutcome:
         }
 
 
-def run_search(candidates: list[str], leader: str, measurer: Measurer, plan: RacePlan) -> SearchOutcome:
-    """The whole course for `candidates` against `leader` (the best default variant, never among them)."""
+def run_search(
+    candidates: list[str],
+    leader: str,
+    measurer: Measurer,
+    plan: RacePlan,
+    report: Callable[[str], None] = lambda line: None,
+) -> SearchOutcome:
+    """The whole course for `candidates` against `leader` (the best default variant, never among them); `report`
+    gets a line per candidate per round and one for the confirmation (the search's progress)."""
     if leader in candidates:
         raise ValueError(f"the leader {leader!r} is not a candidate of its own race")
     trials = {name: Trial(name) for name in candidates}
@@ -116,7 +124,16 @@ def run_search(candidates: list[str], leader: str, measurer: Measurer, plan: Rac
         )
         for name in list(alive):
             alive = _race_round(trials[name], leader, measurer, plan, confidence, base, tokens, alive)
-    return _confirmed(trials, alive, leader, measurer, plan)
+            look = trials[name].looks[-1]
+            state = (
+                trials[name].reason if name not in alive else f"×{look.speed.ratio:.3f} the leader, racing on"
+            )
+            report(f"round {round_}/{plan.rounds}: {name}: {state}")
+    outcome = _confirmed(trials, alive, leader, measurer, plan)
+    if outcome.confirmation is not None:
+        best = max(outcome.trials.values(), key=lambda t: t.stage in ("confirmed", "not confirmed"))
+        report(f"confirmation: {best.name} {best.stage}: {best.reason}")
+    return outcome
 
 
 def _race_round(

@@ -75,3 +75,20 @@ def test_the_record_holds_every_trial_and_the_winners_block_only_when_there_is_o
     lost = SearchOutcome({trial.name: trial}, None, None)
     write_record(tmp_path, lost, {}, winner_block(lost, candidates))
     assert not (tmp_path / "winner.yaml").exists()  # a stale winner is not left behind
+
+
+def test_the_search_plot_draws_every_proxied_trial(tmp_path):
+    from tasks.report.search_plot import search_plot
+
+    records = [
+        {"name": "a", "stage": "dropped", "proxy": {"kl": 0.2, "decode_tok_s": 90.0, "stored_bytes": 5}},
+        {"name": "b", "stage": "confirmed", "proxy": {"kl": 0.0, "decode_tok_s": 150.0, "stored_bytes": 4}},
+        {
+            "name": "c",
+            "stage": "screened out",
+            "proxy": {"kl": 0.9, "decode_tok_s": 160.0, "stored_bytes": 3},
+        },
+        {"name": "d", "stage": "measured", "proxy": None},
+    ]
+    path = search_plot(records, ("lead", 0.1, 120.0), 0.73, tmp_path / "search.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
