@@ -40,6 +40,7 @@ from tasks.search.course import (
 )
 from tasks.search.driver import SearchOutcome, run_search
 from tasks.search.isolated import IsolatedRuntime
+from tasks.search.journal import Journal, journal_key
 from tasks.search.measure import EngineMeasurer
 from tasks.techniques.build import build_variant
 
@@ -95,7 +96,8 @@ def _search(config: Config, root: Path) -> SearchReport:
     calibration, evaluation = read_split(data.folder, "calibration"), read_split(data.folder, "evaluation")
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
-    with parent_run(experiment_id, config, lineage, benchmark_fingerprint(config), kind="search") as run:
+    fingerprint = benchmark_fingerprint(config)
+    with parent_run(experiment_id, config, lineage, fingerprint, kind="search") as run:
         manifests: dict[str, VariantManifest] = {}
         baseline = config.select.baseline
         order = {
@@ -125,7 +127,10 @@ def _search(config: Config, root: Path) -> SearchReport:
             baseline,
             keep_loaded(manifests),
             {baseline: reference},
+            journal := search_journal(work, config, manifests, windows, prompt, fingerprint),
         )
+        if journal.resumed:
+            logger.info(f"resuming an interrupted search: {journal.summary()} kept by its journal")
         plan = race_plan(config)
         kl_limit = plan.kl_margin * math.log1p(plan.max_ppl_increase)
         default_proxies = {name: measurer.proxy(name) for name in defaults}
@@ -146,6 +151,24 @@ def _search(config: Config, root: Path) -> SearchReport:
         log_run_report(run.run_id, files, {f"search.{k}": float(v) for k, v in outcome.counts().items()})
         measurer.close()
     return SearchReport(outcome, leader, notes, files, block)
+
+
+def search_journal(
+    work: Path,
+    config: Config,
+    manifests: dict[str, VariantManifest],
+    windows: dict,
+    prompt: list[int],
+    machine: dict,
+) -> Journal:
+    """The search's journal (tasks/search/journal.py), keyed by everything its measurements depend on."""
+    recipes = {name: manifest.recipe_hash for name, manifest in manifests.items()}
+    settings = {
+        "search": config.search.model_dump(mode="json"),
+        "select": config.select.model_dump(mode="json"),
+    }
+    parts = {**settings, "recipes": recipes, "windows": windows, "prompt": prompt, "machine": machine["hash"]}
+    return Journal(work / "search" / "journal.json", journal_key(parts))
 
 
 def keep_loaded(manifests: dict[str, VariantManifest]) -> int:

@@ -5,15 +5,21 @@ the leader and the candidate being raced stay; a round walks the candidates in o
 greedy decode of each of the two, back to back, the order alternating from pair to pair (the machine's load moves
 both alike; which runs first does not favour either); each runtime decodes once untimed at its first use. Windows
 are scored once per (variant, split) and kept, so a later round reads only its new windows. The proxy windows'
-reference (the baseline's log-probabilities) is computed once."""
+reference (the baseline's log-probabilities) is computed once. With a `journal` (journal.py) every measurement is
+kept on disk as it is made and handed back instead of measured again: a search killed midway resumes there."""
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+from tasks.failpoints import failpoint
 from tasks.search.driver import Split
+from tasks.search.journal import Journal
 from tasks.search.proxies import Proxy, log_probs, proxy, timed_decode
 
 
@@ -32,6 +38,7 @@ class EngineMeasurer:
         baseline: str = "baseline",
         keep_loaded: int = 3,
         loaded: dict[str, Any] | None = None,
+        journal: Journal | None = None,
     ) -> None:
         if new_tokens < 2:
             raise ValueError("a timed decode needs at least 2 new tokens")
@@ -40,8 +47,12 @@ class EngineMeasurer:
         self._loaded: OrderedDict[str, Any] = OrderedDict(loaded or {})  # runtimes the caller loaded already
         self._keep = keep_loaded
         self._warm: set[str] = set()
-        self._nll: dict[tuple[str, str], list[float]] = {}
+        self._journal = journal  # None: nothing kept, every measurement made afresh
+        self._held = journal or Journal(Path(os.devnull), "")
         self._reference: list[Any] | None = None
+        self._asked: dict[
+            str, int
+        ] = {}  # pairs asked per (candidate, leader): the journal answers the first ones
         self.pairs = 0
 
     def runtime(self, name: str) -> Any:
@@ -62,31 +73,50 @@ class EngineMeasurer:
             getattr(gone, "close", lambda: None)()
 
     def proxy(self, name: str) -> Proxy:
+        if name in self._held.proxies:
+            held = self._held.proxies[name]
+            return Proxy(**{**held, "kl_windows": tuple(held["kl_windows"])})
         if self._reference is None:
             self._reference = log_probs(self.runtime(self._baseline), self._windows["proxy"])
         runtime, windows = self.runtime(name), self._windows["proxy"]
         self._warm.add(name)  # the proxy's decode warmed it
-        return proxy(
+        found = proxy(
             name, self._sizes[name], runtime, self._reference, windows, self._prompt, self._new_tokens
         )
+        self._held.proxies[name] = asdict(found)
+        self._save_journal()
+        return found
 
     def pair(self, name: str, leader: str) -> tuple[float, float]:
         self.pairs += 1
+        key = f"{name}|{leader}"
+        index, held = self._asked.get(key, 0), self._held.pairs.setdefault(key, [])
+        self._asked[key] = index + 1
+        if index < len(held):
+            return held[index][0], held[index][1]
         order = (name, leader) if self.pairs % 2 else (leader, name)
         speeds = {who: self._timed_decode(who) for who in order}
+        held.append([speeds[name], speeds[leader]])
+        self._save_journal()
+        failpoint("search-pair")  # tests: killed with a pair measured and kept
         return speeds[name], speeds[leader]
 
     def window_nll(self, name: str, split: Split, start: int, stop: int) -> list[float]:
         windows = self._windows[split]
         if stop > len(windows):
             raise ValueError(f"the {split} split has {len(windows)} windows, {stop} asked for")
-        done = self._nll.setdefault((name, split), [])
+        done = self._held.nll.setdefault(f"{name}|{split}", [])
         if len(done) < stop:
             done.extend(nll for nll, _ in self.runtime(name).score(windows[len(done) : stop]))
+            self._save_journal()
         return done[start:stop]
 
     def window_tokens(self, split: Split, start: int, stop: int) -> list[int]:
         return [len(window) - 1 for window in self._windows[split][start:stop]]  # tokens predicted
+
+    def _save_journal(self) -> None:
+        if self._journal is not None:
+            self._journal.save()
 
     def _timed_decode(self, name: str) -> float:
         runtime = self.runtime(name)

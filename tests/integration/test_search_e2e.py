@@ -1,12 +1,15 @@
 """`llmopt search` end to end on a tiny project (real Prefect, MLflow, builds and engines): params.yaml's own
 variants and the space's candidates proxied, raced against the leader, the record written and every trial a nested
-MLflow run under one search run; a space's candidate equal to a params.yaml variant is raced once, as that variant."""
+MLflow run under one search run; a space's candidate equal to a params.yaml variant is raced once, as that variant;
+a search killed midway resumes from its journal."""
 
 from __future__ import annotations
 
 import json
+import signal
 
 from tests.integration.project import make_project, run, tiny_params
+from tests.integration.test_faults import finish, start
 
 SEARCH = {
     "space": {"quantize": {"method": ["torchao_int8_weight_only", "torch_dynamic_int8"]}},
@@ -30,8 +33,16 @@ def test_search_races_the_candidates_and_records_every_trial(tmp_path, tiny_mode
         "int8_dynamic": {"steps": [{"quantize": {"method": "torch_dynamic_int8"}}]},
     }
     root = make_project(tmp_path / "project", params)
+    # killed at its first speed pair (as by the OOM killer), then run again: it resumes from its journal
+    process, log = start(root, "llmopt", "search", LLMOPT_FAILPOINT="search-pair:kill")
+    code = finish(
+        process
+    )  # (what it left running, Prefect's server, its variants' processes, killed with it)
+    assert code == -signal.SIGKILL, log.read_text(errors="replace")[-3000:]
+    assert (root / ".llmopt" / "search" / "journal.json").exists()
     result = run(root, "llmopt", "search")
     out = result.stdout + result.stderr  # the table on stdout, the notes and the last line beside the log
+    assert "resuming an interrupted search: 3 proxies" in out, out
     assert "search: 2 proposed, 2 proxied, 2 raced" in out, out
     assert "params.yaml's int8_dynamic, raced as that" in out
     record = json.loads((root / ".llmopt" / "search" / "trials.json").read_text())
@@ -49,7 +60,8 @@ def test_search_races_the_candidates_and_records_every_trial(tmp_path, tiny_mode
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.data.tags.get("llmopt.kind") == "search"]
     nested = [r for r in runs if r.data.tags.get("llmopt.kind") == "search-trial"]
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(p.info.status for p in parents) == ["FINISHED", "KILLED"]  # the killed one marked as such
+    finished = next(p for p in parents if p.info.status == "FINISHED")
     assert sorted(r.data.tags["llmopt.variant"] for r in nested) == sorted(trials)
-    assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in nested)
+    assert all(r.data.tags["mlflow.parentRunId"] == finished.info.run_id for r in nested)
     assert all("proxy.kl" in r.data.metrics and r.data.tags["llmopt.search_stage"] for r in nested)

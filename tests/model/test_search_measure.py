@@ -32,8 +32,10 @@ def folders(trained_base, tmp_path_factory):
     return built
 
 
-def measurer(folders, loads: list[str], keep_loaded: int = 3) -> EngineMeasurer:
+def measurer(folders, loads: list[str], keep_loaded: int = 3, journal=None, refuse=False) -> EngineMeasurer:
     def load(name):
+        if refuse:
+            raise AssertionError(f"{name} loaded again: a kept measurement was measured twice")
         loads.append(name)
         runtime = load_runtime(folders[name][0], TargetConfig(threads=1))
         scored = runtime.score
@@ -53,7 +55,7 @@ def measurer(folders, loads: list[str], keep_loaded: int = 3) -> EngineMeasurer:
     }
     assert [len(windows[split]) for split in ("proxy", "search", "confirm")] == [2, 16, 8]
     sizes = {name: size for name, (_, size) in folders.items()}
-    return EngineMeasurer(load, sizes, windows, ids[:12], new_tokens=8, keep_loaded=keep_loaded)
+    return EngineMeasurer(load, sizes, windows, ids[:12], 8, keep_loaded=keep_loaded, journal=journal)
 
 
 def test_a_candidate_of_the_leaders_own_cost_is_not_promoted_and_windows_are_scored_once(folders):
@@ -118,3 +120,22 @@ def test_a_runtime_in_a_process_of_its_own_answers_as_the_runtime_does(folders):
     finally:
         isolated.close()
     assert not isolated._process.is_alive()
+
+
+def test_a_search_resumed_from_its_journal_measures_nothing_it_had_measured(folders, tmp_path):
+    """Killed midway and run again, a search is handed back every proxy, window loss and speed pair its journal
+    kept, in order, and retraces the same course; another key (other settings, bytes or machine) starts afresh."""
+    from tasks.search.journal import Journal
+
+    plan = RacePlan(rounds=2, pairs_per_round=2, windows_per_round=4, confirm_pairs=3, confirm_windows=4)
+    first = measurer(folders, [], keep_loaded=4, journal=Journal(tmp_path / "journal.json", "key-1"))
+    outcome = run_search(["twin", "int8"], "baseline", first, plan)
+    first.close()
+    journal = Journal(tmp_path / "journal.json", "key-1")
+    assert journal.resumed and "speed pairs" in journal.summary()
+    again = measurer(folders, [], keep_loaded=4, journal=journal, refuse=True)  # a load fails the test
+    resumed = run_search(["twin", "int8"], "baseline", again, plan)
+    assert {n: (t.stage, t.reason) for n, t in resumed.trials.items()} == {
+        n: (t.stage, t.reason) for n, t in outcome.trials.items()
+    }
+    assert not Journal(tmp_path / "journal.json", "key-2").resumed  # other settings: measured afresh

@@ -1,0 +1,51 @@
+"""What a search has measured, kept on disk as it goes (`.llmopt/search/journal.json`), so a search killed midway
+resumes where it stopped: the course is deterministic given its measurements, so a rerun that is handed the same
+proxies, window losses and speed pairs in the same order retraces every decision, and measures only what it had not.
+
+The journal belongs to one search: its key hashes the search's settings, the accuracy budget, the windows' tokens,
+every variant's recipe hash and the benchmark machine's fingerprint. Anything else, and the journal is started
+afresh (a speed pair of another machine, or a window loss of other bytes, would be a wrong measurement). Written
+whole after each new measurement, atomically (a kill leaves the last complete one)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def journal_key(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Journal:
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = path, key
+        held = _read(path)
+        fresh = held.get("key") != key
+        self.proxies: dict[str, dict[str, Any]] = {} if fresh else held["proxies"]
+        self.nll: dict[str, list[float]] = {} if fresh else held["nll"]
+        self.pairs: dict[str, list[list[float]]] = {} if fresh else held["pairs"]
+        self.resumed = not fresh and bool(self.proxies or self.nll or self.pairs)
+
+    def summary(self) -> str:
+        pairs = sum(len(p) for p in self.pairs.values())
+        windows = sum(len(n) for n in self.nll.values())
+        return f"{len(self.proxies)} proxies, {windows} window losses and {pairs} speed pairs"
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staged = self.path.with_name(self.path.name + ".partial")
+        record = {"key": self.key, "proxies": self.proxies, "nll": self.nll, "pairs": self.pairs}
+        staged.write_text(json.dumps(record) + "\n")
+        os.replace(staged, self.path)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return held if isinstance(held, dict) and {"key", "proxies", "nll", "pairs"} <= set(held) else {}
