@@ -98,19 +98,16 @@ def _search(config: Config, root: Path) -> SearchReport:
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     fingerprint = benchmark_fingerprint(config)
     with parent_run(experiment_id, config, lineage, fingerprint, kind="search") as run:
-        manifests: dict[str, VariantManifest] = {}
         baseline = config.select.baseline
         order = {
             baseline: config.variants[baseline],
             **defaults,
             **{n: c.variant for n, c in candidates.items()},
         }
+        manifests = {}
         for name, variant in order.items():
-            over = (
-                config.search.budget_minutes
-                and time.monotonic() - started > 60 * config.search.budget_minutes
-            )
-            if over and name in candidates:
+            budget = config.search.budget_minutes
+            if budget and name in candidates and time.monotonic() - started > 60 * budget:
                 notes.append(f"{name}: not built, search.budget_minutes reached")
                 continue
             manifests[name] = search_build_task(name, variant, base, data.content_hash, work, calibration)
@@ -118,38 +115,56 @@ def _search(config: Config, root: Path) -> SearchReport:
         reference = IsolatedRuntime(folders[baseline], config.target)  # engines apart: see isolated.py
         windows = split_windows(reference.encode, calibration, evaluation, config)
         prompt = reference.encode(evaluation[0])[: config.benchmark.prompt_tokens]
+        journal = search_journal(work, config, manifests, windows, prompt, fingerprint)
+        if journal.resumed:
+            logger.info(f"resuming an interrupted search: {journal.summary()} kept by its journal")
+        sizes = {name: manifest.size_bytes for name, manifest in manifests.items()}
         measurer = EngineMeasurer(
             lambda name: IsolatedRuntime(folders[name], config.target),
-            {name: manifest.size_bytes for name, manifest in manifests.items()},
+            sizes,
             windows,
             prompt,
             config.search.decode_tokens,
             baseline,
             keep_loaded(manifests),
             {baseline: reference},
-            journal := search_journal(work, config, manifests, windows, prompt, fingerprint),
+            journal,
         )
-        if journal.resumed:
-            logger.info(f"resuming an interrupted search: {journal.summary()} kept by its journal")
-        plan = race_plan(config)
-        kl_limit = plan.kl_margin * math.log1p(plan.max_ppl_increase)
-        default_proxies = {name: measurer.proxy(name) for name in defaults}
-        leader = choose_leader(config, default_proxies, kl_limit)
-        racing = [name for name in manifests if name not in (baseline, leader)]
-        logger.info(f"leader: {leader}; racing {len(racing)} candidates")
-        outcome = run_search(racing, leader, measurer, plan, logger.info)
-        recipes = {name: manifest.recipe for name, manifest in manifests.items()}
-        block = winner_block(outcome, candidates)
-        files = write_record(work / "search", outcome, recipes, block)
-        mark = default_proxies.get(leader)
-        mark = (leader, mark.kl, mark.decode_tok_s) if mark else None
-        files.append(
-            search_plot(trial_records(outcome, recipes), mark, kl_limit, work / "search" / "search.png")
-        )
-        for name, trial in outcome.trials.items():
-            _log_trial(experiment_id, run.run_id, manifests[name], trial, leader)
-        log_run_report(run.run_id, files, {f"search.{k}": float(v) for k, v in outcome.counts().items()})
-        measurer.close()
+        try:
+            report = _race(config, measurer, manifests, defaults, candidates, notes, work)
+        finally:
+            measurer.close()
+        for name, trial in report.outcome.trials.items():
+            _log_trial(experiment_id, run.run_id, manifests[name], trial, report.leader)
+        counts = {f"search.{k}": float(v) for k, v in report.outcome.counts().items()}
+        log_run_report(run.run_id, report.files, counts)
+    return report
+
+
+def _race(
+    config: Config,
+    measurer: EngineMeasurer,
+    manifests: dict[str, VariantManifest],
+    defaults: dict[str, VariantConfig],
+    candidates: dict,
+    notes: list[str],
+    work: Path,
+) -> SearchReport:
+    """The leader, the race, the record (trials.json, winner.yaml, search.png)."""
+    plan = race_plan(config)
+    kl_limit = plan.kl_margin * math.log1p(plan.max_ppl_increase)
+    default_proxies = {name: measurer.proxy(name) for name in defaults}
+    leader = choose_leader(config, default_proxies, kl_limit)
+    racing = [name for name in manifests if name not in (config.select.baseline, leader)]
+    get_run_logger().info(f"leader: {leader}; racing {len(racing)} candidates")
+    outcome = run_search(racing, leader, measurer, plan, get_run_logger().info)
+    recipes = {name: manifest.recipe for name, manifest in manifests.items()}
+    block = winner_block(outcome, candidates)
+    files = write_record(work / "search", outcome, recipes, block)
+    mark = default_proxies.get(leader)
+    mark = (leader, mark.kl, mark.decode_tok_s) if mark else None
+    records = trial_records(outcome, recipes)
+    files.append(search_plot(records, mark, kl_limit, work / "search" / "search.png"))
     return SearchReport(outcome, leader, notes, files, block)
 
 
