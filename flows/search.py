@@ -60,7 +60,7 @@ class SearchReport:
         speed, _ = self.outcome.confirmation
         return (
             f"search: {counts}; {self.outcome.winner} runs ×{speed.ratio:.3f} {self.leader} "
-            f"({speed.low:.3f}–{speed.high:.3f} at {speed.confidence:.0%}, confirmed on fresh pairs)"
+            f"({speed.low:.3f}–{speed.high:.3f} at {speed.confidence:.1%}, confirmed on fresh pairs)"
         )
 
 
@@ -113,9 +113,13 @@ def _search(config: Config, root: Path) -> SearchReport:
             manifests[name] = search_build_task(name, variant, base, data.content_hash, work, calibration)
         folders = {name: work / "search" / "variants" / name for name in manifests}
         reference = IsolatedRuntime(folders[baseline], config.target)  # engines apart: see isolated.py
-        windows = split_windows(reference.encode, calibration, evaluation, config)
-        prompt = reference.encode(evaluation[0])[: config.benchmark.prompt_tokens]
-        journal = search_journal(work, config, manifests, windows, prompt, fingerprint)
+        try:
+            windows = split_windows(reference.encode, calibration, evaluation, config)
+            prompt = reference.encode(evaluation[0])[: config.benchmark.prompt_tokens]
+        except BaseException:
+            reference.close()
+            raise
+        journal = search_journal(work, config, windows, prompt, fingerprint)
         if journal.resumed:
             logger.info(f"resuming an interrupted search: {journal.summary()} kept by its journal")
         sizes = {name: manifest.size_bytes for name, manifest in manifests.items()}
@@ -129,11 +133,13 @@ def _search(config: Config, root: Path) -> SearchReport:
             keep_loaded(manifests),
             {baseline: reference},
             journal,
+            {name: f"{base.content_hash}:{manifest.model_hash}" for name, manifest in manifests.items()},
         )
         try:
             report = _race(config, measurer, manifests, defaults, candidates, notes, work)
         finally:
             measurer.close()
+        journal.finish()
         for name, trial in report.outcome.trials.items():
             _log_trial(experiment_id, run.run_id, manifests[name], trial, report.leader)
         counts = {f"search.{k}": float(v) for k, v in report.outcome.counts().items()}
@@ -168,21 +174,15 @@ def _race(
     return SearchReport(outcome, leader, notes, files, block)
 
 
-def search_journal(
-    work: Path,
-    config: Config,
-    manifests: dict[str, VariantManifest],
-    windows: dict,
-    prompt: list[int],
-    machine: dict,
-) -> Journal:
-    """The search's journal (tasks/search/journal.py), keyed by everything its measurements depend on."""
-    recipes = {name: manifest.recipe_hash for name, manifest in manifests.items()}
-    settings = {
+def search_journal(work: Path, config: Config, windows: dict, prompt: list[int], machine: dict) -> Journal:
+    """The search's journal (tasks/search/journal.py), keyed by what its measurements depend on beside the bytes."""
+    parts = {
         "search": config.search.model_dump(mode="json"),
         "select": config.select.model_dump(mode="json"),
+        "windows": windows,
+        "prompt": prompt,
+        "machine": machine["hash"],
     }
-    parts = {**settings, "recipes": recipes, "windows": windows, "prompt": prompt, "machine": machine["hash"]}
     return Journal(work / "search" / "journal.json", journal_key(parts))
 
 

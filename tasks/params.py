@@ -206,10 +206,12 @@ class Config(Strict):
                 f"select.max_gpu_mb bounds GPU memory, which a {self.target.device} target does not use; "
                 "use max_rss_mb"
             )
-        if self.search.leader is not None and self.search.leader not in self.variants:
-            raise ValueError(
-                f"search.leader names {self.search.leader!r}, which is not a variant of params.yaml"
+        leader = self.variants.get(self.search.leader) if self.search.leader is not None else None
+        if self.search.leader is not None and (leader is None or leader.peer):
+            what = (
+                "a peer row (measured beside, never selected)" if leader else "not a variant of params.yaml"
             )
+            raise ValueError(f"search.leader names {self.search.leader!r}, {what}")
         if self.services.prefect_worker and self.schedule.work_pool is None:
             raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self

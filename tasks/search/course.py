@@ -36,6 +36,10 @@ def race_plan(config: Config) -> RacePlan:
 def proposals(config: Config) -> tuple[dict[str, VariantConfig], dict[str, Candidate], list[str]]:
     """(params.yaml's variants that race: not the baseline, not a peer row; the space's candidates that are not one
     of them, at most `search.max_candidates` of all; notes on what was left out)."""
+    if config.target.tensor_parallel > 1:
+        raise ConfigError(
+            "search: each variant runs in one process of its own; set target.tensor_parallel: 1"
+        )
     if not config.search.space:
         raise ConfigError("search.space is empty: list the techniques and choices to search (docs/search.md)")
     space, notes = expand(config.search.space), []
@@ -48,10 +52,20 @@ def proposals(config: Config) -> tuple[dict[str, VariantConfig], dict[str, Candi
     candidates = {}
     for candidate in space.candidates:
         same = known.get(candidate.variant.recipe_hash())
-        if same is not None or candidate.name in config.variants:
-            notes.append(f"{candidate.name}: params.yaml's {same or candidate.name}, raced as that")
-            continue
-        candidates[candidate.name] = candidate
+        if same in defaults:
+            notes.append(f"{candidate.name}: params.yaml's {same}, raced as that")
+        elif same is not None:
+            notes.append(
+                f"{candidate.name}: params.yaml's {same}, which is not raced (the baseline or a peer row)"
+            )
+        elif candidate.variant.peer:
+            notes.append(f"{candidate.name}: a peer row (the source's own model as shipped), never selected")
+        elif candidate.name in config.variants:
+            notes.append(
+                f"{candidate.name}: the name of another params.yaml variant; left out (rename that one)"
+            )
+        else:
+            candidates[candidate.name] = candidate
     room = max(config.search.max_candidates - len(defaults), 0)
     if len(candidates) > room:
         notes.append(

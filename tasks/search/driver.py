@@ -117,6 +117,8 @@ def run_search(
     alive = list(screened.kept)
     confidence = look_confidence(plan.alpha, plan.rounds)
     for round_ in range(1, plan.rounds + 1):
+        if not alive:
+            break
         stop = round_ * plan.windows_per_round
         base, tokens = (
             measurer.window_nll(plan.baseline, "search", 0, stop),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,11 @@ class IsolatedRuntime:
         )
         self._process.start()
         child.close()
-        self._call("ready")
+        try:
+            self._call("ready")
+        except BaseException:
+            self.close()  # a child that could not load ends with nothing left open
+            raise
 
     def encode(self, text: str) -> list[int]:
         return self._call("encode", text)
@@ -89,6 +94,7 @@ def _serve(conn: Any, folder: str, target: dict[str, Any]) -> None:
     from tasks.search.proxies import timed_decode
 
     quiet_libraries()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes this process
     try:
         runtime = load_runtime(Path(folder), TargetConfig(**target))
     except Exception as exc:  # the parent raises it

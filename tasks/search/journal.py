@@ -2,10 +2,13 @@
 resumes where it stopped: the course is deterministic given its measurements, so a rerun that is handed the same
 proxies, window losses and speed pairs in the same order retraces every decision, and measures only what it had not.
 
-The journal belongs to one search: its key hashes the search's settings, the accuracy budget, the windows' tokens,
-every variant's recipe hash and the benchmark machine's fingerprint. Anything else, and the journal is started
-afresh (a speed pair of another machine, or a window loss of other bytes, would be a wrong measurement). Written
-whole after each new measurement, atomically (a kill leaves the last complete one)."""
+Measurements are kept under each variant's bytes (the base model's and its own content hashes), not its name, so
+other bytes under an old name are measured afresh, and a rerun that builds more candidates (a budget that stopped
+the first) reuses what it had and measures the rest. The journal's key hashes what every measurement depends on
+beside the bytes: the search's settings, the accuracy budget, the windows' and prompt's tokens and the benchmark
+machine's fingerprint; with any of them changed it starts afresh. Written whole after each new measurement,
+atomically (a kill leaves the last complete one); a search that finishes deletes it (run again, it measures
+afresh)."""
 
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ class Journal:
         pairs = sum(len(p) for p in self.pairs.values())
         windows = sum(len(n) for n in self.nll.values())
         return f"{len(self.proxies)} proxies, {windows} window losses and {pairs} speed pairs"
+
+    def finish(self) -> None:
+        """The search finished: nothing to resume."""
+        self.path.unlink(missing_ok=True)
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

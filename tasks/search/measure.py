@@ -39,6 +39,7 @@ class EngineMeasurer:
         keep_loaded: int = 3,
         loaded: dict[str, Any] | None = None,
         journal: Journal | None = None,
+        identities: dict[str, str] | None = None,
     ) -> None:
         if new_tokens < 2:
             raise ValueError("a timed decode needs at least 2 new tokens")
@@ -50,9 +51,11 @@ class EngineMeasurer:
         self._journal = journal  # None: nothing kept, every measurement made afresh
         self._held = journal or Journal(Path(os.devnull), "")
         self._reference: list[Any] | None = None
-        self._asked: dict[
-            str, int
-        ] = {}  # pairs asked per (candidate, leader): the journal answers the first ones
+        # pairs asked per (candidate, leader): the journal answers the first ones
+        self._asked: dict[str, int] = {}
+        self._identity = (
+            identities or {}
+        )  # name -> its bytes' hash: what the journal keeps measurements under
         self.pairs = 0
 
     def runtime(self, name: str) -> Any:
@@ -62,7 +65,8 @@ class EngineMeasurer:
         runtime = self._load(name)
         self._loaded[name] = runtime
         while len(self._loaded) > self._keep:
-            _, gone = self._loaded.popitem(last=False)
+            evicted, gone = self._loaded.popitem(last=False)
+            self._warm.discard(evicted)  # loaded again, it decodes once untimed again
             getattr(gone, "close", lambda: None)()
         return runtime
 
@@ -73,9 +77,9 @@ class EngineMeasurer:
             getattr(gone, "close", lambda: None)()
 
     def proxy(self, name: str) -> Proxy:
-        if name in self._held.proxies:
-            held = self._held.proxies[name]
-            return Proxy(**{**held, "kl_windows": tuple(held["kl_windows"])})
+        if self._id(name) in self._held.proxies:
+            held = self._held.proxies[self._id(name)]
+            return Proxy(**{**held, "candidate": name, "kl_windows": tuple(held["kl_windows"])})
         if self._reference is None:
             self._reference = log_probs(self.runtime(self._baseline), self._windows["proxy"])
         runtime, windows = self.runtime(name), self._windows["proxy"]
@@ -83,13 +87,13 @@ class EngineMeasurer:
         found = proxy(
             name, self._sizes[name], runtime, self._reference, windows, self._prompt, self._new_tokens
         )
-        self._held.proxies[name] = asdict(found)
+        self._held.proxies[self._id(name)] = asdict(found)
         self._save_journal()
         return found
 
     def pair(self, name: str, leader: str) -> tuple[float, float]:
         self.pairs += 1
-        key = f"{name}|{leader}"
+        key = f"{self._id(name)}|{self._id(leader)}"
         index, held = self._asked.get(key, 0), self._held.pairs.setdefault(key, [])
         self._asked[key] = index + 1
         if index < len(held):
@@ -105,7 +109,7 @@ class EngineMeasurer:
         windows = self._windows[split]
         if stop > len(windows):
             raise ValueError(f"the {split} split has {len(windows)} windows, {stop} asked for")
-        done = self._held.nll.setdefault(f"{name}|{split}", [])
+        done = self._held.nll.setdefault(f"{self._id(name)}|{split}", [])
         if len(done) < stop:
             done.extend(nll for nll, _ in self.runtime(name).score(windows[len(done) : stop]))
             self._save_journal()
@@ -113,6 +117,9 @@ class EngineMeasurer:
 
     def window_tokens(self, split: Split, start: int, stop: int) -> list[int]:
         return [len(window) - 1 for window in self._windows[split][start:stop]]  # tokens predicted
+
+    def _id(self, name: str) -> str:
+        return self._identity.get(name, name)
 
     def _save_journal(self) -> None:
         if self._journal is not None:

@@ -43,6 +43,7 @@ def test_search_races_the_candidates_and_records_every_trial(tmp_path, tiny_mode
     result = run(root, "llmopt", "search")
     out = result.stdout + result.stderr  # the table on stdout, the notes and the last line beside the log
     assert "resuming an interrupted search: 3 proxies" in out, out
+    assert not (root / ".llmopt" / "search" / "journal.json").exists()  # finished: nothing to resume
     assert "search: 2 proposed, 2 proxied, 2 raced" in out, out
     assert "params.yaml's int8_dynamic, raced as that" in out
     record = json.loads((root / ".llmopt" / "search" / "trials.json").read_text())

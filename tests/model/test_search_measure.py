@@ -32,7 +32,9 @@ def folders(trained_base, tmp_path_factory):
     return built
 
 
-def measurer(folders, loads: list[str], keep_loaded: int = 3, journal=None, refuse=False) -> EngineMeasurer:
+def measurer(
+    folders, loads: list[str], keep_loaded: int = 3, journal=None, refuse=False, identities=None
+) -> EngineMeasurer:
     def load(name):
         if refuse:
             raise AssertionError(f"{name} loaded again: a kept measurement was measured twice")
@@ -55,7 +57,9 @@ def measurer(folders, loads: list[str], keep_loaded: int = 3, journal=None, refu
     }
     assert [len(windows[split]) for split in ("proxy", "search", "confirm")] == [2, 16, 8]
     sizes = {name: size for name, (_, size) in folders.items()}
-    return EngineMeasurer(load, sizes, windows, ids[:12], 8, keep_loaded=keep_loaded, journal=journal)
+    return EngineMeasurer(
+        load, sizes, windows, ids[:12], 8, keep_loaded=keep_loaded, journal=journal, identities=identities
+    )
 
 
 def test_a_candidate_of_the_leaders_own_cost_is_not_promoted_and_windows_are_scored_once(folders):
@@ -84,6 +88,7 @@ def test_pairs_alternate_and_runtimes_load_on_demand(folders):
     first, second = measured.pair("int8", "baseline"), measured.pair("int8", "baseline")
     assert calls == ["int8", "baseline", "baseline", "int8"] and all(speed > 0 for speed in first + second)
     measured.runtime("twin")  # a third: the least recently used (baseline, which ran before int8) goes
+    assert "baseline" not in measured._warm  # loaded again, it decodes once untimed again before a timing
     measured.runtime("int8")
     assert loads == ["int8", "baseline", "twin"]
     measured.runtime("baseline")
@@ -139,3 +144,8 @@ def test_a_search_resumed_from_its_journal_measures_nothing_it_had_measured(fold
         n: (t.stage, t.reason) for n, t in outcome.trials.items()
     }
     assert not Journal(tmp_path / "journal.json", "key-2").resumed  # other settings: measured afresh
+    # kept under the variants' bytes: other bytes under the same names are measured, not handed back
+    other = {name: f"other-{name}" for name in folders}
+    rebuilt = measurer(folders, [], keep_loaded=4, journal=journal, refuse=True, identities=other)
+    with pytest.raises(AssertionError, match="loaded again"):
+        run_search(["twin", "int8"], "baseline", rebuilt, plan)

@@ -37,9 +37,36 @@ def test_proposals_race_the_variants_but_not_the_baseline_or_the_peer_and_each_r
         proposals(Config.model_validate({"variants": VARIANTS}))
 
 
+def test_the_space_s_peer_rows_the_baseline_and_name_clashes_are_not_raced():
+    space = {"llama_cpp": {"type": ["shipped", "Q8_0"]}, "onnx_genai": {"precision": ["fp32"]}}
+    variants = {**VARIANTS, "llama_cpp-q8_0": {"steps": [{"llama_cpp": {"type": "Q4_0"}}]}}
+    cfg = Config.model_validate({"variants": variants, "search": {"space": space}})
+    _, candidates, notes = proposals(cfg)
+    assert list(candidates) == ["onnx_genai-fp32"]
+    assert notes == [
+        "llama_cpp-shipped: params.yaml's gguf_shipped, which is not raced (the baseline or a peer row)",
+        "llama_cpp-q8_0: the name of another params.yaml variant; left out (rename that one)",
+    ]
+    # a peer row the space makes that params.yaml does not have is not raced either
+    alone = Config.model_validate(
+        {"variants": {"baseline": {}}, "search": {"space": {"llama_cpp": {"type": ["shipped"]}}}}
+    )
+    assert proposals(alone)[1:] == (
+        {},
+        ["llama_cpp-shipped: a peer row (the source's own model as shipped), never selected"],
+    )
+    tp = Config.model_validate(
+        {"variants": VARIANTS, "search": {"space": SPACE}, "target": {"device": "cuda", "tensor_parallel": 2}}
+    )
+    with pytest.raises(ConfigError, match="set target.tensor_parallel: 1"):
+        proposals(tp)
+
+
 def test_settings_name_the_culprit():
     with pytest.raises(ValueError, match="search.leader names 'fastest'"):
         config(leader="fastest")
+    with pytest.raises(ValueError, match="'gguf_shipped', a peer row"):
+        config(leader="gguf_shipped")
     with pytest.raises(ValueError, match="search.space.onnx_genai.block_size: at least one choice"):
         Config.model_validate({"variants": VARIANTS, "search": {"space": {"onnx_genai": {"block_size": []}}}})
 
