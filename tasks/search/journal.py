@@ -24,9 +24,11 @@ def journal_key(parts: dict[str, Any]) -> str:
 
 
 class Journal:
-    def __init__(self, path: Path, key: str) -> None:
+    """`path` None: kept in memory only (a search measured afresh each time, nothing to resume)."""
+
+    def __init__(self, path: Path | None, key: str = "") -> None:
         self.path, self.key = path, key
-        held = _read(path)
+        held = _read(path) if path is not None else {}
         fresh = held.get("key") != key
         self.proxies: dict[str, dict[str, Any]] = {} if fresh else held["proxies"]
         self.nll: dict[str, list[float]] = {} if fresh else held["nll"]
@@ -40,9 +42,12 @@ class Journal:
 
     def finish(self) -> None:
         """The search finished: nothing to resume."""
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
     def save(self) -> None:
+        if self.path is None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         staged = self.path.with_name(self.path.name + ".partial")
         record = {"key": self.key, "proxies": self.proxies, "nll": self.nll, "pairs": self.pairs}

@@ -10,11 +10,9 @@ kept on disk as it is made and handed back instead of measured again: a search k
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from tasks.failpoints import failpoint
@@ -48,14 +46,12 @@ class EngineMeasurer:
         self._loaded: OrderedDict[str, Any] = OrderedDict(loaded or {})  # runtimes the caller loaded already
         self._keep = keep_loaded
         self._warm: set[str] = set()
-        self._journal = journal  # None: nothing kept, every measurement made afresh
-        self._held = journal or Journal(Path(os.devnull), "")
+        self._journal = journal or Journal(None)  # None: kept in memory, every measurement made afresh
         self._reference: list[Any] | None = None
         # pairs asked per (candidate, leader): the journal answers the first ones
         self._asked: dict[str, int] = {}
-        self._identity = (
-            identities or {}
-        )  # name -> its bytes' hash: what the journal keeps measurements under
+        # name -> its bytes' hash: what the journal keeps measurements under
+        self._identity = identities or {}
         self.pairs = 0
 
     def runtime(self, name: str) -> Any:
@@ -77,8 +73,8 @@ class EngineMeasurer:
             getattr(gone, "close", lambda: None)()
 
     def proxy(self, name: str) -> Proxy:
-        if self._id(name) in self._held.proxies:
-            held = self._held.proxies[self._id(name)]
+        if self._id(name) in self._journal.proxies:
+            held = self._journal.proxies[self._id(name)]
             return Proxy(**{**held, "candidate": name, "kl_windows": tuple(held["kl_windows"])})
         if self._reference is None:
             self._reference = log_probs(self.runtime(self._baseline), self._windows["proxy"])
@@ -87,21 +83,21 @@ class EngineMeasurer:
         found = proxy(
             name, self._sizes[name], runtime, self._reference, windows, self._prompt, self._new_tokens
         )
-        self._held.proxies[self._id(name)] = asdict(found)
-        self._save_journal()
+        self._journal.proxies[self._id(name)] = asdict(found)
+        self._journal.save()
         return found
 
     def pair(self, name: str, leader: str) -> tuple[float, float]:
         self.pairs += 1
         key = f"{self._id(name)}|{self._id(leader)}"
-        index, held = self._asked.get(key, 0), self._held.pairs.setdefault(key, [])
+        index, held = self._asked.get(key, 0), self._journal.pairs.setdefault(key, [])
         self._asked[key] = index + 1
         if index < len(held):
             return held[index][0], held[index][1]
         order = (name, leader) if self.pairs % 2 else (leader, name)
         speeds = {who: self._timed_decode(who) for who in order}
         held.append([speeds[name], speeds[leader]])
-        self._save_journal()
+        self._journal.save()
         failpoint("search-pair")  # tests: killed with a pair measured and kept
         return speeds[name], speeds[leader]
 
@@ -109,10 +105,10 @@ class EngineMeasurer:
         windows = self._windows[split]
         if stop > len(windows):
             raise ValueError(f"the {split} split has {len(windows)} windows, {stop} asked for")
-        done = self._held.nll.setdefault(f"{self._id(name)}|{split}", [])
+        done = self._journal.nll.setdefault(f"{self._id(name)}|{split}", [])
         if len(done) < stop:
             done.extend(nll for nll, _ in self.runtime(name).score(windows[len(done) : stop]))
-            self._save_journal()
+            self._journal.save()
         return done[start:stop]
 
     def window_tokens(self, split: Split, start: int, stop: int) -> list[int]:
@@ -121,18 +117,9 @@ class EngineMeasurer:
     def _id(self, name: str) -> str:
         return self._identity.get(name, name)
 
-    def _save_journal(self) -> None:
-        if self._journal is not None:
-            self._journal.save()
-
     def _timed_decode(self, name: str) -> float:
         runtime = self.runtime(name)
         if name not in self._warm:
             runtime.generate([self._prompt], self._new_tokens, stop_at_eos=False)
             self._warm.add(name)
         return timed_decode(runtime, self._prompt, self._new_tokens)
-
-
-def token_windows(ids: list[int], window: int, count: int) -> list[list[int]]:
-    """`count` consecutive windows of `window` tokens from `ids` (fewer when the tokens run out)."""
-    return [ids[i : i + window] for i in range(0, min(len(ids), window * count) - window + 1, window)]

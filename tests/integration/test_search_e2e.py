@@ -44,11 +44,12 @@ def test_search_races_the_candidates_and_records_every_trial(tmp_path, tiny_mode
     out = result.stdout + result.stderr  # the table on stdout, the notes and the last line beside the log
     assert "resuming an interrupted search: 3 proxies" in out, out
     assert not (root / ".llmopt" / "search" / "journal.json").exists()  # finished: nothing to resume
-    assert "search: 2 proposed, 2 proxied, 2 raced" in out, out
+    # (how many are raced depends on the proxies' timings: one may screen the other out as slower by over 10 %)
+    assert "search: 2 proposed, 2 proxied" in out, out
     assert "params.yaml's int8_dynamic, raced as that" in out
     record = json.loads((root / ".llmopt" / "search" / "trials.json").read_text())
     trials = {trial["name"]: trial for trial in record["trials"]}
-    assert len(trials) == 2 and record["counts"]["proposed"] == 2
+    assert len(trials) == 2 and record["counts"]["proposed"] == 2 and record["counts"]["raced"] >= 1
     # the leader is the faster of params.yaml's two on the proxies' decode; the other races with the candidate
     assert "quantize-torchao_int8_weight_only" in trials and len(set(trials) & {"bf16", "int8_dynamic"}) == 1
     for trial in trials.values():

@@ -9,9 +9,10 @@ import pytest
 
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
+from tasks.measure.evaluate import make_windows
 from tasks.params import VariantConfig
 from tasks.search.driver import RacePlan, run_search
-from tasks.search.measure import EngineMeasurer, token_windows
+from tasks.search.measure import EngineMeasurer
 from tasks.techniques.build import build_variant
 
 TEXT = (
@@ -51,9 +52,9 @@ def measurer(
 
     ids = load_runtime(folders["baseline"][0], TargetConfig(threads=1)).encode(TEXT * 12)
     windows = {
-        "proxy": token_windows(ids, 24, 2),
-        "search": token_windows(ids[48:], 24, 16),
-        "confirm": token_windows(ids[48 + 24 * 16 :], 24, 8),
+        "proxy": make_windows(ids, 24, 24 * 2),
+        "search": make_windows(ids[48:], 24, 24 * 16),
+        "confirm": make_windows(ids[48 + 24 * 16 :], 24, 24 * 8),
     }
     assert [len(windows[split]) for split in ("proxy", "search", "confirm")] == [2, 16, 8]
     sizes = {name: size for name, (_, size) in folders.items()}

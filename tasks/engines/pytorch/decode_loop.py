@@ -27,9 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 LENGTH_STEP = 256  # static caches hold a multiple of this many positions
-STOP_CHECK_EVERY = (
-    16  # stopping at end of sequence: the host looks whether every row ended once per this many tokens
-)
+# stopping at end of sequence: the host looks whether every row ended once per this many tokens
+STOP_CHECK_EVERY = 16
 
 
 def batch_bucket(rows: int) -> int:
