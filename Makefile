@@ -11,7 +11,7 @@ LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: abuse help run test test-fast docs gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro llama-server serve loadtest ui schedule services-down clean
+.PHONY: abuse help run test test-fast docs search gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro llama-server serve loadtest ui schedule services-down clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -38,6 +38,9 @@ test-fast: install ## the suite without the slow end-to-end tests
 
 docs: install ## build the documentation strictly (mkdocs build --strict) into .llmopt/site
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+search: install corpus ## the recipe search over params.yaml's `search.space` (~30 min here); its winner goes through the gate
+	llmopt search
 
 gpu-check: ## on a CUDA machine (torch + transformers + pydantic suffice): every technique on a ~1B Llama -> gpu-check.json
 	python3 infra/gpu_check.py

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -16,6 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.progress import progress_bar
 from flows.stages import benchmark_fingerprint, prepare_inputs, workdir
+from tasks.decide.model_registry import Registration
 from tasks.engines.manifest import VariantManifest
 from tasks.inputs.data import read_split
 from tasks.inputs.load import PreparedBase
@@ -30,6 +32,7 @@ from tasks.report.tracking import (
     recipe_params,
 )
 from tasks.search.course import (
+    candidate_room,
     choose_leader,
     proposals,
     race_plan,
@@ -42,6 +45,8 @@ from tasks.search.driver import SearchOutcome, run_search
 from tasks.search.isolated import IsolatedRuntime
 from tasks.search.journal import Journal, journal_key
 from tasks.search.measure import EngineMeasurer
+from tasks.search.sampler import choose_sampler, explore
+from tasks.search.space import Candidate
 from tasks.techniques.build import build_variant
 
 
@@ -52,6 +57,9 @@ class SearchReport:
     notes: list[str]
     files: list[Path]
     winner_block: str | None
+    registration: Registration | None = (
+        None  # the confirmed winner, registered for the gate (`search.promote`)
+    )
 
     def summary(self) -> str:
         counts = ", ".join(f"{count} {stage}" for stage, count in self.outcome.counts().items())
@@ -62,6 +70,24 @@ class SearchReport:
             f"search: {counts}; {self.outcome.winner} runs ×{speed.ratio:.3f} {self.leader} "
             f"({speed.low:.3f}–{speed.high:.3f} at {speed.confidence:.1%}, confirmed on fresh pairs)"
         )
+
+
+@dataclass
+class Builds:
+    """The search's built variants, and what the measurer reads of them (folders, bytes, the identities its journal
+    keeps measurements under), growing as the sampler's candidates are built."""
+
+    work: Path
+    base_hash: str
+    manifests: dict[str, VariantManifest] = field(default_factory=dict)
+    folders: dict[str, Path] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    identities: dict[str, str] = field(default_factory=dict)
+
+    def add(self, name: str, manifest: VariantManifest) -> None:
+        self.manifests[name], self.sizes[name] = manifest, manifest.size_bytes
+        self.folders[name] = self.work / "search" / "variants" / name
+        self.identities[name] = f"{self.base_hash}:{manifest.model_hash}"
 
 
 @task(name="build", task_run_name="build-{name}", cache_policy=NO_CACHE)
@@ -98,21 +124,10 @@ def _search(config: Config, root: Path) -> SearchReport:
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     fingerprint = benchmark_fingerprint(config)
     with parent_run(experiment_id, config, lineage, fingerprint, kind="search") as run:
-        baseline = config.select.baseline
-        order = {
-            baseline: config.variants[baseline],
-            **defaults,
-            **{n: c.variant for n, c in candidates.items()},
-        }
-        manifests = {}
-        for name, variant in order.items():
-            budget = config.search.budget_minutes
-            if budget and name in candidates and time.monotonic() - started > 60 * budget:
-                notes.append(f"{name}: not built, search.budget_minutes reached")
-                continue
-            manifests[name] = search_build_task(name, variant, base, data.content_hash, work, calibration)
-        folders = {name: work / "search" / "variants" / name for name in manifests}
-        reference = IsolatedRuntime(folders[baseline], config.target)  # engines apart: see isolated.py
+        baseline, builds = config.select.baseline, Builds(work, base.content_hash)
+        for name, variant in {baseline: config.variants[baseline], **defaults}.items():
+            builds.add(name, search_build_task(name, variant, base, data.content_hash, work, calibration))
+        reference = IsolatedRuntime(builds.folders[baseline], config.target)  # engines apart: see isolated.py
         try:
             windows = split_windows(reference.encode, calibration, evaluation, config)
             prompt = reference.encode(evaluation[0])[: config.benchmark.prompt_tokens]
@@ -122,29 +137,99 @@ def _search(config: Config, root: Path) -> SearchReport:
         journal = search_journal(work, config, windows, prompt, fingerprint)
         if journal.resumed:
             logger.info(f"resuming an interrupted search: {journal.summary()} kept by its journal")
-        sizes = {name: manifest.size_bytes for name, manifest in manifests.items()}
         measurer = EngineMeasurer(
-            lambda name: IsolatedRuntime(folders[name], config.target),
-            sizes,
+            lambda name: IsolatedRuntime(builds.folders[name], config.target),
+            builds.sizes,  # grows with the sampler's builds, as do the folders and identities
             windows,
             prompt,
             config.search.decode_tokens,
             baseline,
-            keep_loaded(manifests),
+            keep_loaded(builds.manifests),  # the baseline's fp32 bytes are the largest any candidate has
             {baseline: reference},
             journal,
-            {name: f"{base.content_hash}:{manifest.model_hash}" for name, manifest in manifests.items()},
+            builds.identities,
         )
+
+        def build(candidate: Candidate) -> bool:
+            try:
+                built = search_build_task(
+                    candidate.name, candidate.variant, base, data.content_hash, work, calibration
+                )
+            except Exception as exc:  # one candidate's failure is its record, not the search's end
+                notes.append(f"{candidate.name}: not built: {str(exc).splitlines()[0][:300]}")
+                return False
+            builds.add(candidate.name, built)
+            return True
+
         try:
-            report = _race(config, measurer, manifests, defaults, candidates, notes, work)
+            explored = _explore(config, candidates, len(defaults), build, measurer, started, notes)
+            report = _race(config, measurer, builds.manifests, defaults, explored, notes, work)
         finally:
             measurer.close()
         journal.finish()
-        for name, trial in report.outcome.trials.items():
-            _log_trial(experiment_id, run.run_id, manifests[name], trial, report.leader)
-        counts = {f"search.{k}": float(v) for k, v in report.outcome.counts().items()}
-        log_run_report(run.run_id, report.files, counts)
-    return report
+        return _record(config, experiment_id, run.run_id, builds, report)
+
+
+def _record(
+    config: Config, experiment_id: str, parent: str, builds: Builds, report: SearchReport
+) -> SearchReport:
+    """A nested MLflow run per trial, the record on the search's run; the winner registered for the gate."""
+    trial_runs = {
+        name: _log_trial(experiment_id, parent, builds.manifests[name], trial, report.leader)
+        for name, trial in report.outcome.trials.items()
+    }
+    counts = {f"search.{k}": float(v) for k, v in report.outcome.counts().items()}
+    log_run_report(parent, report.files, counts)
+    if not (report.winner_block and config.search.promote):
+        return report
+    winner = report.outcome.winner
+    found = (builds.folders[winner], builds.manifests[winner], trial_runs[winner])
+    return replace(report, registration=register_found(config, *found, report.leader, report.summary()))
+
+
+def register_found(
+    config: Config, folder: Path, manifest: VariantManifest, run_id: str, leader: str, summary: str
+) -> Registration:
+    """The search's confirmed winner registered from its trial's run (identical bytes reuse their version) and
+    aliased `candidate`, as a run registers its winner; the gate (`llmopt promote`'s) then decides production."""
+    from tasks.decide.model_registry import register_variant, set_candidate
+
+    tags = {"llmopt.source": "search", "llmopt.search_leader": leader}
+    registration = register_variant(config.project.name, folder, manifest, run_id, tags, summary)
+    set_candidate(registration)
+    return registration
+
+
+def _explore(
+    config: Config,
+    candidates: dict[str, Candidate],
+    defaults: int,
+    build: Callable[[Candidate], bool],
+    measurer: EngineMeasurer,
+    started: float,
+    notes: list[str],
+) -> dict[str, Candidate]:
+    """The space's candidates the sampler builds and proxies (tasks/search/sampler.py), within the room and budget."""
+    s, space, room = config.search, list(candidates.values()), candidate_room(config, defaults)
+    sampler = choose_sampler(s.sampler, len(space), room, s.budget_minutes)
+    get_run_logger().info(
+        f"proposing from {len(space)} candidates ({sampler} sampler), building {min(room, len(space))} at most"
+    )
+
+    def out_of_time() -> bool:
+        return s.budget_minutes is not None and time.monotonic() - started > 60 * s.budget_minutes
+
+    tried: list[str] = []
+
+    def counted(candidate: Candidate) -> bool:
+        tried.append(candidate.name)
+        return build(candidate)
+
+    built = explore(space, sampler, room, counted, measurer.proxy, out_of_time, s.seed)
+    if left := len(space) - len(tried):
+        why = "search.budget_minutes reached" if out_of_time() else "search.max_candidates reached"
+        notes.append(f"{left} of the space's candidates not proposed ({sampler} sampler): {why}")
+    return {name: candidates[name] for name in built}
 
 
 def _race(
@@ -196,7 +281,7 @@ def keep_loaded(manifests: dict[str, VariantManifest]) -> int:
     return max(3, min(len(manifests), free_memory() // each))
 
 
-def _log_trial(experiment_id: str, parent: str, manifest: VariantManifest, trial, leader: str) -> None:
+def _log_trial(experiment_id: str, parent: str, manifest: VariantManifest, trial, leader: str) -> str:
     last = trial.looks[-1] if trial.looks else None
     metrics = {}
     if trial.proxy is not None:
@@ -210,4 +295,4 @@ def _log_trial(experiment_id: str, parent: str, manifest: VariantManifest, trial
     tags = {"llmopt.kind": "search-trial", "llmopt.variant": trial.name, "llmopt.search_stage": trial.stage}
     tags |= {"llmopt.search_reason": trial.reason[:5000], "llmopt.search_leader": leader}
     params = {**recipe_params(manifest), "rounds": len(trial.looks), "pairs": len(trial.speeds[0])}
-    log_nested_run(experiment_id, parent, trial.name, tags, params, metrics)
+    return log_nested_run(experiment_id, parent, trial.name, tags, params, metrics)

@@ -196,10 +196,25 @@ def _forced_move(
 def search(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Search params.yaml's `search.space` (every combination of its choices) beside params.yaml's own variants:
     proxies for all (size, KL to the baseline, a short decode), then a race against the leader with paired
-    statistics, the winner confirmed on fresh measurements. Writes .llmopt/search/ and one MLflow run per trial;
-    nothing is registered (add the winner's block to params.yaml and `llmopt run`)."""
+    statistics, the winner confirmed on fresh measurements. Writes .llmopt/search/ and one MLflow run per trial; a
+    confirmed winner is registered and goes through the champion/challenger gate, as `llmopt promote` (unless
+    search.promote is false)."""
     with CommandSession(debug) as session:
         config, root = session.flow_run(params, "search")
         from flows.search import search_flow
 
-        print_search(search_flow(config, root))
+        report = search_flow(config, root)
+        print_search(report)
+        if report.registration is None:
+            return
+        version = report.registration.version
+        if _current_production(config, root, version) == version:
+            console.print(f"production is already v{version}; nothing to move")
+            return
+        from flows.cluster import on_cluster
+        from flows.pipeline import promote_flow
+
+        console.print(f"the gate: v{version} against production, both measured now beside the baseline")
+        print_outcome(
+            on_cluster(promote_flow, config)(config, root, version)
+        )  # a refusal is an outcome, as in run

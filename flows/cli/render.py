@@ -253,6 +253,11 @@ def print_search(report) -> None:
     for path in report.files:
         console.print(f"wrote {path}", soft_wrap=True, highlight=False, markup=False)
     if report.winner_block:
-        console.print("The winner, as params.yaml's `variants:` entry (add it to run it through the gate):")
+        console.print("The winner, as params.yaml's `variants:` entry (keep it to measure it in every run):")
         console.print(report.winner_block, soft_wrap=True, highlight=False, markup=False)
     console.print(report.summary(), soft_wrap=True, highlight=False, markup=False)
+    if (reg := report.registration) is not None:
+        reused = " (same bytes as before, reused)" if reg.reused else ""
+        console.print(
+            f"Registered {reg.name} version {reg.version}{reused} → alias candidate", soft_wrap=True
+        )

@@ -35,7 +35,7 @@ def race_plan(config: Config) -> RacePlan:
 
 def proposals(config: Config) -> tuple[dict[str, VariantConfig], dict[str, Candidate], list[str]]:
     """(params.yaml's variants that race: not the baseline, not a peer row; the space's candidates that are not one
-    of them, at most `search.max_candidates` of all; notes on what was left out)."""
+    of them, every one: the sampler proposes those it builds, sampler.py; notes on what was left out)."""
     if config.target.tensor_parallel > 1:
         raise ConfigError(
             "search: each variant runs in one process of its own; set target.tensor_parallel: 1"
@@ -66,15 +66,14 @@ def proposals(config: Config) -> tuple[dict[str, VariantConfig], dict[str, Candi
             )
         else:
             candidates[candidate.name] = candidate
-    room = max(config.search.max_candidates - len(defaults), 0)
-    if len(candidates) > room:
-        notes.append(
-            f"{len(candidates) - room} of the space's candidates past search.max_candidates left out"
-        )
-        candidates = dict(list(candidates.items())[:room])
     for technique, (count, reason) in space.refused.items():
         notes.append(f"{technique}: {count} combinations refused ({reason})")
     return defaults, candidates, notes
+
+
+def candidate_room(config: Config, defaults: int) -> int:
+    """How many of the space's candidates a search may build: `search.max_candidates` less params.yaml's variants."""
+    return max(config.search.max_candidates - defaults, 0)
 
 
 def split_windows(

@@ -3,7 +3,7 @@ setting by setting when a search expands it, with errors naming `search.space.<t
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -20,6 +20,10 @@ class SearchConfig(Strict):
         64  # built and proxied at most (in the space's order)
     )
     budget_minutes: Annotated[float, Field(gt=0)] | None = None  # no new candidate is built past it
+    # which candidates are built (tasks/search/sampler.py): grid (all, in order), tpe (Optuna's TPE on the proxies),
+    # auto (grid when it sees the whole space: it fits max_candidates and there is no budget_minutes)
+    sampler: Literal["auto", "grid", "tpe"] = "auto"
+    seed: int = 0  # the tpe sampler's
     keep: Annotated[int, Field(ge=1, le=1000)] = 8  # raced after the screen
     kl_margin: Annotated[float, Field(gt=0)] = (
         15.0  # the screen: KL above kl_margin × ln(1 + max_ppl_increase)
@@ -35,6 +39,9 @@ class SearchConfig(Strict):
     decode_tokens: Annotated[int, Field(ge=2, le=4096)] = 32  # tokens per timed decode (proxies and pairs)
     confirm_pairs: Annotated[int, Field(ge=2, le=100)] = 6
     confirm_windows: Annotated[int, Field(ge=2, le=1000)] = 24
+    # a confirmed winner of the space is registered (alias `candidate`) and judged by the champion/challenger gate,
+    # as `llmopt promote VERSION` judges a version; false: only its `variants:` block is written
+    promote: bool = True
 
     @model_validator(mode="after")
     def _space_shape(self) -> SearchConfig:

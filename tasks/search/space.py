@@ -104,7 +104,7 @@ def _name(technique: str, choices: dict[str, Any]) -> str:
 
 
 def _short(key: str, value: Any) -> str:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or value is None:
         return key if value else f"no_{key}"
     if isinstance(value, dict):
         return key + "-" + "-".join(str(v) for v in value.values())

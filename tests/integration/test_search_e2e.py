@@ -1,7 +1,7 @@
 """`llmopt search` end to end on a tiny project (real Prefect, MLflow, builds and engines): params.yaml's own
 variants and the space's candidates proxied, raced against the leader, the record written and every trial a nested
 MLflow run under one search run; a space's candidate equal to a params.yaml variant is raced once, as that variant;
-a search killed midway resumes from its journal."""
+a search killed midway resumes from its journal; a winner is registered from its trial's run for the gate."""
 
 from __future__ import annotations
 
@@ -67,3 +67,18 @@ def test_search_races_the_candidates_and_records_every_trial(tmp_path, tiny_mode
     assert sorted(r.data.tags["llmopt.variant"] for r in nested) == sorted(trials)
     assert all(r.data.tags["mlflow.parentRunId"] == finished.info.run_id for r in nested)
     assert all("proxy.kl" in r.data.metrics and r.data.tags["llmopt.search_stage"] for r in nested)
+    # the registration a confirmed winner gets (which trial wins depends on this machine's timings: any one here)
+    from flows.search import register_found
+    from tasks.engines.manifest import read_manifest
+    from tasks.params_file import load_config
+    from tasks.report.tracking import configure_tracking
+
+    config = load_config(root / "params.yaml")
+    configure_tracking(config.tracking, root)
+    trial = nested[0]
+    name = trial.data.tags["llmopt.variant"]
+    folder = root / ".llmopt" / "search" / "variants" / name
+    registration = register_found(config, folder, read_manifest(folder), trial.info.run_id, "leader", "why")
+    version = client.get_model_version_by_alias(config.project.name, "candidate")
+    assert (registration.version, registration.reused) == (str(version.version), False)
+    assert version.run_id == trial.info.run_id and version.tags["llmopt.source"] == "search"

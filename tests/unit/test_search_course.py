@@ -9,7 +9,14 @@ import pytest
 
 from tasks.errors import ConfigError
 from tasks.params import Config
-from tasks.search.course import choose_leader, proposals, split_windows, winner_block, write_record
+from tasks.search.course import (
+    candidate_room,
+    choose_leader,
+    proposals,
+    split_windows,
+    winner_block,
+    write_record,
+)
 from tasks.search.driver import SearchOutcome, Trial
 from tasks.search.proxies import Proxy
 from tasks.search.space import expand
@@ -31,8 +38,9 @@ def test_proposals_race_the_variants_but_not_the_baseline_or_the_peer_and_each_r
     assert list(defaults) == ["onnx_int8"]  # the peer row is measured beside, never selected: not raced
     assert list(candidates) == ["onnx_genai-int8-block_size64", "onnx_genai-int8-block_size128"]
     assert notes == ["onnx_genai-int8-block_size32: params.yaml's onnx_int8, raced as that"]
-    _, capped, notes = proposals(config(max_candidates=2))
-    assert list(capped) == ["onnx_genai-int8-block_size64"] and "past search.max_candidates" in notes[-1]
+    # every candidate is proposed; the sampler builds as many as the room params.yaml's variants leave
+    assert candidate_room(config(max_candidates=2), len(defaults)) == 1
+    assert candidate_room(config(max_candidates=1), 1) == 0
     with pytest.raises(ConfigError, match="search.space is empty"):
         proposals(Config.model_validate({"variants": VARIANTS}))
 
