@@ -45,6 +45,7 @@ from tasks.search.driver import SearchOutcome, run_search
 from tasks.search.isolated import IsolatedRuntime
 from tasks.search.journal import Journal, journal_key
 from tasks.search.measure import EngineMeasurer
+from tasks.search.proxies import Proxy
 from tasks.search.sampler import choose_sampler, explore
 from tasks.search.space import Candidate
 from tasks.techniques.build import build_variant
@@ -225,7 +226,22 @@ def _explore(
         tried.append(candidate.name)
         return build(candidate)
 
-    built = explore(space, sampler, room, counted, measurer.proxy, out_of_time, s.seed)
+    def proxied(name: str) -> Proxy:  # a line per candidate: the search's progress while it builds
+        found, elapsed = measurer.proxy(name), time.monotonic() - started
+        seen.append(name)
+        left = (
+            f", {_clock(60 * s.budget_minutes - elapsed)} of the build budget left"
+            if s.budget_minutes
+            else ""
+        )
+        get_run_logger().info(
+            f"[{_clock(elapsed)}] {name}: KL {found.kl:.3g}, {found.decode_tok_s:.1f} tok/s "
+            f"(proposed {len(tried)}, built {len(seen)} of {min(room, len(space))} at most{left})"
+        )
+        return found
+
+    seen: list[str] = []
+    built = explore(space, sampler, room, counted, proxied, out_of_time, s.seed)
     if left := len(space) - len(tried):
         why = "search.budget_minutes reached" if out_of_time() else "search.max_candidates reached"
         notes.append(f"{left} of the space's candidates not proposed ({sampler} sampler): {why}")
@@ -257,6 +273,11 @@ def _race(
     records = trial_records(outcome, recipes)
     files.append(search_plot(records, mark, kl_limit, work / "search" / "search.png"))
     return SearchReport(outcome, leader, notes, files, block)
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def search_journal(work: Path, config: Config, windows: dict, prompt: list[int], machine: dict) -> Journal:

@@ -109,13 +109,8 @@ def run_search(
     trials = {name: Trial(name) for name in candidates}
     for name in candidates:
         trials[name].proxy = measurer.proxy(name)
-    screened = screen(
-        [t.proxy for t in trials.values() if t.proxy], plan.keep, plan.max_ppl_increase, plan.kl_margin
-    )
-    for name, reason in screened.dropped.items():
-        trials[name].stage, trials[name].reason = "screened out", reason
-    alive = list(screened.kept)
     confidence = look_confidence(plan.alpha, plan.rounds)
+    alive = _first_looks(trials, measurer, plan, confidence)
     for round_ in range(1, plan.rounds + 1):
         if not alive:
             break
@@ -131,11 +126,51 @@ def run_search(
                 trials[name].reason if name not in alive else f"×{look.speed.ratio:.3f} the leader, racing on"
             )
             report(f"round {round_}/{plan.rounds}: {name}: {state}")
+        if leading := [n for n in alive if trials[n].looks and trials[n].looks[-1].speed]:
+            best = max(leading, key=lambda n: trials[n].looks[-1].speed.ratio)
+            speed = trials[best].looks[-1].speed
+            report(
+                f"round {round_}/{plan.rounds}: {len(alive)} racing on; best so far {best}, ×{speed.ratio:.3f} the "
+                f"leader ({speed.low:.3f}–{speed.high:.3f})"
+            )
     outcome = _confirmed(trials, alive, leader, measurer, plan)
     if outcome.confirmation is not None:
         best = max(outcome.trials.values(), key=lambda t: t.stage in ("confirmed", "not confirmed"))
         report(f"confirmation: {best.name} {best.stage}: {best.reason}")
     return outcome
+
+
+def _first_looks(
+    trials: dict[str, Trial], measurer: Measurer, plan: RacePlan, confidence: float
+) -> list[str]:
+    """The screen on the proxies (far outside the budget on KL), then the first round's accuracy look for the rest,
+    fastest proxy first, until `keep` are not surely outside the budget: those race. Windows only, no benchmark run:
+    what is surely outside is dropped before a speed pair is spent on it, and a slot is not."""
+    proxies = [t.proxy for t in trials.values() if t.proxy]
+    screened = screen(proxies, len(proxies), plan.max_ppl_increase, plan.kl_margin)
+    for name, reason in screened.dropped.items():
+        trials[name].stage, trials[name].reason = "screened out", reason
+    stop, alive = plan.windows_per_round, []
+    base, tokens = (
+        measurer.window_nll(plan.baseline, "search", 0, stop),
+        measurer.window_tokens("search", 0, stop),
+    )
+    for name in screened.kept:
+        if len(alive) == plan.keep:
+            trials[name].stage = "screened out"
+            trials[
+                name
+            ].reason = f"not among the {plan.keep} fastest within the accuracy budget at the first look"
+            continue
+        nll = measurer.window_nll(name, "search", 0, stop)
+        accuracy = accuracy_look(base, nll, tokens, plan.max_ppl_increase, confidence)
+        if accuracy.decision == "outside":
+            standing = judge_round(name, None, accuracy)
+            trials[name].looks.append(standing)
+            trials[name].stage, trials[name].reason = "dropped", f"round 1: {standing.dropped}"
+        else:
+            alive.append(name)
+    return alive
 
 
 def _race_round(

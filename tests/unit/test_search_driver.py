@@ -105,6 +105,21 @@ def test_the_screen_keeps_what_is_far_outside_from_the_race():
     assert outcome.counts()["raced"] == 1 and outcome.winner == "fast"
 
 
+def test_the_race_s_slots_go_to_candidates_within_the_budget_however_fast_the_others_are():
+    # the default model's first 30-minute search: the 8 fastest were all outside the budget, and the slower
+    # recipes within it were left out of a race of 8 slots; each first look is read before a slot is given
+    outside = {f"fast{i}": 200.0 + i for i in range(3)}
+    within = {"steady": 120.0, "slow": 90.0, "slowest": 80.0}
+    ratios = {**dict.fromkeys(outside, 1.2), "steady": 1.01, "slow": 1.0, "slowest": 1.0}
+    measurer = Planted({**SPEEDS, **outside, **within}, ratios, 3, kl=dict.fromkeys(ratios, 0.1))
+    outcome = run_search([*outside, *within], "leader", measurer, RacePlan(**{**PLAN.__dict__, "keep": 2}))
+    trials = outcome.trials
+    assert all(trials[name].stage == "dropped" and "outside" in trials[name].reason for name in outside)
+    assert not set(outside) & set(measurer.pairs)  # no speed pair spent on them
+    assert trials["slowest"].stage == "screened out" and "within the accuracy budget" in trials["slowest"].reason
+    assert outcome.winner == "steady" and outcome.counts()["raced"] == 5
+
+
 def test_the_leader_is_not_its_own_candidate():
     import pytest
 
