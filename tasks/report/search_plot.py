@@ -1,6 +1,7 @@
 """The search's picture: every trial by its proxies, distance from the baseline (KL, y) against decode speed (x),
 coloured by the stage it reached, the screen's KL limit drawn, the Pareto frontier of the trials (closer, faster,
-smaller) ringed, the leader and the winner marked."""
+smaller) ringed, the leader and the winner marked; the raced trials and the frontier named (abbreviated), the rest
+dots only, so a space of 50 stays readable."""
 
 from __future__ import annotations
 
@@ -16,6 +17,24 @@ STAGE_COLOURS = {
     "not confirmed": "#ef6c00",
     "confirmed": "#d4a017",
 }
+
+
+ABBREVIATIONS = (  # a candidate's name as the picture writes it (trials.json and MLflow keep the whole name)
+    ("onnx_genai-", "onnx "),
+    ("llama_cpp-", "llama "),
+    ("-no_mixed_precision", ""),
+    ("mixed_precision-", "mixed "),
+    ("block_size", "b"),
+    ("accuracy_level", "level "),
+    ("-no_imatrix", ""),
+    ("-", " "),
+)
+
+
+def short_name(name: str) -> str:
+    for long, short in ABBREVIATIONS:
+        name = name.replace(long, short)
+    return name
 
 
 def search_plot(
@@ -57,8 +76,12 @@ def search_plot(
         label="Pareto frontier (KL, speed, bytes)",
         zorder=2,
     )
-    for name, (kl, speed, _) in points.items():
-        axes.annotate(name, (speed, max(kl, floor)), textcoords="offset points", xytext=(6, 4), fontsize=7)
+    named = {r["name"] for r in proxied if r["stage"] != "screened out"} | frontier  # the rest: dots only
+    for name in sorted(named):
+        kl, speed, _ = points[name]
+        axes.annotate(
+            short_name(name), (speed, max(kl, floor)), textcoords="offset points", xytext=(6, 4), fontsize=7
+        )
     if leader is not None:
         name, kl, speed = leader
         axes.scatter(

@@ -116,7 +116,9 @@ def test_the_race_s_slots_go_to_candidates_within_the_budget_however_fast_the_ot
     trials = outcome.trials
     assert all(trials[name].stage == "dropped" and "outside" in trials[name].reason for name in outside)
     assert not set(outside) & set(measurer.pairs)  # no speed pair spent on them
-    assert trials["slowest"].stage == "screened out" and "within the accuracy budget" in trials["slowest"].reason
+    assert (
+        trials["slowest"].stage == "screened out" and "within the accuracy budget" in trials["slowest"].reason
+    )
     assert outcome.winner == "steady" and outcome.counts()["raced"] == 5
 
 
