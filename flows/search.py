@@ -261,9 +261,15 @@ def _race(
     plan = race_plan(config)
     kl_limit = plan.kl_margin * math.log1p(plan.max_ppl_increase)
     default_proxies = {name: measurer.proxy(name) for name in defaults}
-    leader = choose_leader(config, default_proxies, kl_limit)
+    production = production_variant(config, {name: manifests[name] for name in defaults})
+    leader = choose_leader(config, default_proxies, kl_limit, production)
     racing = [name for name in manifests if name not in (config.select.baseline, leader)]
-    get_run_logger().info(f"leader: {leader}; racing {len(racing)} candidates")
+    why = (
+        "production's bytes"
+        if leader == production and not config.search.leader
+        else "search.leader or proxies"
+    )
+    get_run_logger().info(f"leader: {leader} ({why}); racing {len(racing)} candidates")
     outcome = run_search(racing, leader, measurer, plan, get_run_logger().info)
     recipes = {name: manifest.recipe for name, manifest in manifests.items()}
     block = winner_block(outcome, candidates)
@@ -273,6 +279,17 @@ def _race(
     records = trial_records(outcome, recipes)
     files.append(search_plot(records, mark, kl_limit, work / "search" / "search.png"))
     return SearchReport(outcome, leader, notes, files, block)
+
+
+def production_variant(config: Config, manifests: dict[str, VariantManifest]) -> str | None:
+    """The params.yaml variant holding production's bytes (the search's natural leader: what it must beat), if
+    one does; None before the first promotion or when production came from elsewhere."""
+    from tasks.decide.model_registry import production_version
+
+    production = production_version(config.project.name)
+    if production is None or not production.model_hash:
+        return None
+    return next((n for n, m in manifests.items() if m.model_hash == production.model_hash), None)
 
 
 def _clock(seconds: float) -> str:

@@ -100,11 +100,17 @@ def split_windows(
     }
 
 
-def choose_leader(config: Config, proxies: dict[str, Proxy], kl_limit: float) -> str:
-    """`search.leader`, or the fastest of params.yaml's racing variants on the proxies' short decode whose KL is
-    within the screen's limit (the baseline when none is)."""
+def choose_leader(
+    config: Config, proxies: dict[str, Proxy], kl_limit: float, production: str | None = None
+) -> str:
+    """`search.leader`; else the params.yaml variant holding production's bytes (what a winner must beat at the
+    gate; one short decode is too rough to pick among close variants: on the default model it put llama.cpp's Q4_0
+    mixed ahead of the ONNX int4 winner the benchmark has ×1.06 faster); else the fastest of params.yaml's racing
+    variants on the proxies' short decode whose KL is within the screen's limit (the baseline when none is)."""
     if config.search.leader is not None:
         return config.search.leader
+    if production is not None and production in proxies:
+        return production
     fit = [p for p in proxies.values() if p.kl <= kl_limit]
     return max(fit, key=lambda p: p.decode_tok_s).candidate if fit else config.select.baseline
 

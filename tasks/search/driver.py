@@ -110,7 +110,7 @@ def run_search(
     for name in candidates:
         trials[name].proxy = measurer.proxy(name)
     confidence = look_confidence(plan.alpha, plan.rounds)
-    alive = _first_looks(trials, measurer, plan, confidence)
+    alive = _first_looks(trials, measurer, plan, confidence, report)
     for round_ in range(1, plan.rounds + 1):
         if not alive:
             break
@@ -141,7 +141,11 @@ def run_search(
 
 
 def _first_looks(
-    trials: dict[str, Trial], measurer: Measurer, plan: RacePlan, confidence: float
+    trials: dict[str, Trial],
+    measurer: Measurer,
+    plan: RacePlan,
+    confidence: float,
+    report: Callable[[str], None],
 ) -> list[str]:
     """The screen on the proxies (far outside the budget on KL), then the first round's accuracy look for the rest,
     fastest proxy first, until `keep` are not surely outside the budget: those race. Windows only, no benchmark run:
@@ -170,6 +174,8 @@ def _first_looks(
             trials[name].stage, trials[name].reason = "dropped", f"round 1: {standing.dropped}"
         else:
             alive.append(name)
+        state = trials[name].reason if name not in alive else f"races ({len(alive)} of {plan.keep})"
+        report(f"first look: {name}: perplexity ×{accuracy.ratio:.3f}; {state}")
     return alive
 
 

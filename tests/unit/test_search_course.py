@@ -91,10 +91,17 @@ def test_split_windows_are_disjoint_and_too_few_is_an_error_naming_the_settings(
         split_windows(encode, ["w " * 100], ["w " * 100], cfg)
 
 
-def test_the_leader_is_the_one_named_or_the_fastest_close_enough():
+def test_the_leader_is_the_one_named_or_production_s_or_the_fastest_close_enough():
     proxies = {"a": Proxy("a", 1, 0.01, (), 100.0), "b": Proxy("b", 1, 0.9, (), 300.0)}
     assert choose_leader(config(), proxies, kl_limit=0.5) == "a"  # b is faster but far outside the budget
     assert choose_leader(config(leader="onnx_int8"), proxies, 0.5) == "onnx_int8"
+    slower = {
+        **proxies,
+        "c": Proxy("c", 1, 0.01, (), 90.0),
+    }  # production's bytes: the leader, whatever its proxy
+    assert choose_leader(config(), slower, 0.5, production="c") == "c"
+    assert choose_leader(config(leader="onnx_int8"), slower, 0.5, production="c") == "onnx_int8"
+    assert choose_leader(config(), proxies, 0.5, production="elsewhere") == "a"
     assert choose_leader(config(), {"b": proxies["b"]}, 0.5) == "baseline"
 
 

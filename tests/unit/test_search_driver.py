@@ -129,10 +129,12 @@ def test_the_leader_is_not_its_own_candidate():
         run_search(["leader"], "leader", Planted(SPEEDS, {}, 0), PLAN)
 
 
-def test_the_course_reports_each_candidates_round_and_the_confirmation():
+def test_the_course_reports_each_candidates_looks_and_the_confirmation():
     lines: list[str] = []
     measurer = Planted({**SPEEDS, "fast": 125.0, "slow": 70.0}, {"fast": 1.01, "slow": 1.0}, 3)
     run_search(["fast", "slow"], "leader", measurer, PLAN, lines.append)
-    assert lines[0].startswith("round 1/4: fast: ×") and "racing on" in lines[0]
+    assert lines[0].startswith("first look: fast: perplexity ×") and lines[0].endswith("races (1 of 8)")
+    assert lines[2].startswith("round 1/4: fast: ×") and "racing on" in lines[2]
+    assert any(line.startswith("round 1/4: 1 racing on; best so far fast, ×") for line in lines)
     assert any(line.startswith("round 1/4: slow: round 1: slower than the leader") for line in lines)
     assert lines[-1].startswith("confirmation: fast confirmed: ×")
