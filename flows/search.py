@@ -145,7 +145,7 @@ def _search(config: Config, root: Path) -> SearchReport:
             prompt,
             config.search.decode_tokens,
             baseline,
-            keep_loaded(builds.manifests),  # the baseline's fp32 bytes are the largest any candidate has
+            keep_loaded(builds.manifests, len(builds.manifests) + candidate_room(config, len(defaults))),
             {baseline: reference},
             journal,
             builds.identities,
@@ -309,14 +309,15 @@ def search_journal(work: Path, config: Config, windows: dict, prompt: list[int],
     return Journal(work / "search" / "journal.json", journal_key(parts))
 
 
-def keep_loaded(manifests: dict[str, VariantManifest]) -> int:
-    """How many variants' processes stay loaded: all of them where memory allows (a round walks every candidate,
-    the baseline and the leader: fewer means loading again every round), at least 3. Each process is counted as its
-    largest variant's bytes twice (weights and working memory) plus 0.5 GB (an interpreter with its libraries)."""
+def keep_loaded(manifests: dict[str, VariantManifest], variants: int) -> int:
+    """How many of the search's `variants` keep their processes loaded: all of them where memory allows (a round
+    walks every candidate, the baseline and the leader: fewer means loading again every round), at least 3. Each
+    process is counted as the largest variant built so far (the baseline's fp32 bytes, larger than any candidate)
+    twice (weights and working memory) plus 0.5 GB (an interpreter with its libraries)."""
     from tasks.engines.contract import free_memory
 
     each = 2 * max((m.size_bytes for m in manifests.values()), default=0) + 500 * 2**20
-    return max(3, min(len(manifests), free_memory() // each))
+    return max(3, min(variants, free_memory() // each))
 
 
 def _log_trial(experiment_id: str, parent: str, manifest: VariantManifest, trial, leader: str) -> str:

@@ -37,6 +37,15 @@ def short_name(name: str) -> str:
     return name
 
 
+def _name_points(axes: Any, points: dict[str, tuple], named: set[str], floor: float) -> None:
+    """The raced trials and the frontier by name (abbreviated); the rest stay dots."""
+    for name in sorted(named):
+        kl, speed, _ = points[name]
+        axes.annotate(
+            short_name(name), (speed, max(kl, floor)), textcoords="offset points", xytext=(6, 4), fontsize=7
+        )
+
+
 def search_plot(
     records: list[dict[str, Any]], leader: tuple[str, float, float] | None, kl_limit: float, path: Path
 ) -> Path:
@@ -76,12 +85,7 @@ def search_plot(
         label="Pareto frontier (KL, speed, bytes)",
         zorder=2,
     )
-    named = {r["name"] for r in proxied if r["stage"] != "screened out"} | frontier  # the rest: dots only
-    for name in sorted(named):
-        kl, speed, _ = points[name]
-        axes.annotate(
-            short_name(name), (speed, max(kl, floor)), textcoords="offset points", xytext=(6, 4), fontsize=7
-        )
+    _name_points(axes, points, {r["name"] for r in proxied if r["stage"] != "screened out"} | frontier, floor)
     if leader is not None:
         name, kl, speed = leader
         axes.scatter(

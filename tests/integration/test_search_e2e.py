@@ -79,6 +79,9 @@ def test_search_races_the_candidates_and_records_every_trial(tmp_path, tiny_mode
     name = trial.data.tags["llmopt.variant"]
     folder = root / ".llmopt" / "search" / "variants" / name
     registration = register_found(config, folder, read_manifest(folder), trial.info.run_id, "leader", "why")
-    version = client.get_model_version_by_alias(config.project.name, "candidate")
+    store = f"sqlite:///{root / 'mlflow.db'}"  # the registry named too: an earlier test may have set another
+    version = mlflow.MlflowClient(store, registry_uri=store).get_model_version_by_alias(
+        config.project.name, "candidate"
+    )
     assert (registration.version, registration.reused) == (str(version.version), False)
     assert version.run_id == trial.info.run_id and version.tags["llmopt.source"] == "search"
