@@ -52,17 +52,26 @@ def uses(decoder, packing: bool, runtime) -> None:
 
 
 def drive(
-    decoder, prompts: list[list[int]], steps: int, chunk: int = 0, leave: int = 1
+    decoder, prompts: list[list[int]], steps: int, chunk: int = 0, leave: int = 1, forced: dict | None = None
 ) -> tuple[dict[int, list[int]], dict]:
     """Two prompts from the start, the others joining at step 3, prompt `leave` leaving at step 6 (the second: a
     row in the middle of the buffer; or one still filling): each prompt's greedy tokens, and its logits by (prompt, tokens so far). With `chunk`, the
     joining prompts are opened at step 3 and fed in slices of at most `chunk` tokens beside the running rows
-    (`step_with_prefills`), each step all of them; without, each runs alone (`add`)."""
+    (`step_with_prefills`), each step all of them; without, each runs alone (`add`). With `forced` (another run's
+    tokens), each prompt is fed those tokens instead of its own argmax, so the two runs' histories are the same and
+    every row compares (a bfloat16 near tie would otherwise part them, at a place that depends on the CPU)."""
     sequences, tokens, logits = {}, {}, {}
+
+    def choose(index: int, row) -> int:
+        done = len(tokens.get(index, []))
+        if forced is not None and done < len(forced.get(index, [])):
+            return forced[index][done]
+        return int(np.argmax(row))
+
     filling: dict[int, tuple[int, int]] = {}  # opened sequence: (prompt index, tokens fed)
 
     def first(index: int, sequence: int, row) -> None:
-        sequences[sequence], tokens[index] = index, [int(np.argmax(row))]
+        sequences[sequence], tokens[index] = index, [choose(index, row)]
         logits[(index, 1)] = row
 
     for index in (0, 1):
@@ -90,7 +99,7 @@ def drive(
         stepped, filled = decoder.step_with_prefills(running, fills) if fills else (decoder.step(running), {})
         for sequence, row in stepped.items():
             index = sequences[sequence]
-            tokens[index].append(int(np.argmax(row)))
+            tokens[index].append(choose(index, row))
             logits[(index, len(tokens[index]))] = row
         for sequence, _, last in fills:
             if last:
@@ -140,8 +149,8 @@ def test_slot_steps_match_stepping_alone_to_bfloat16_rounding_as_sequences_join_
     slots = SlotBatchDecoder(runtime.model, runtime._no_grad, runtime.device)
     alone = TorchBatchDecoder(runtime.model, runtime._no_grad, runtime.device)
     uses(slots, packing, runtime)
-    got, got_logits = drive(slots, prompts, 12)
     want, want_logits = drive(alone, prompts, 12)
+    got, got_logits = drive(slots, prompts, 12, forced=want)
     assert slots.active == alone.active == len(prompts) - 1
     assert_close(got, got_logits, want, want_logits)
     # one engine call per step for every sequence (plus one per prompt), where stepping alone makes one per row
@@ -162,8 +171,8 @@ def test_joining_prompts_share_the_running_rows_call_in_slices_and_match_steppin
     slots.reuse_prefixes = False
     alone = TorchBatchDecoder(runtime.model, runtime._no_grad, runtime.device)
     uses(slots, packing, runtime)
-    got, got_logits = drive(slots, prompts, 30, chunk=16)
     want, want_logits = drive(alone, prompts, 30)
+    got, got_logits = drive(slots, prompts, 30, chunk=16, forced=want)
     assert slots.active == alone.active == len(prompts) - 1
     assert all(len(got[i]) > 1 for i in range(len(prompts)))  # the long one joined and ran
     assert_close(got, got_logits, want, want_logits)
@@ -186,8 +195,8 @@ def test_a_prompt_removed_while_filling_leaves_the_other_rows_whole(bf16_runtime
     slots = SlotBatchDecoder(runtime.model, runtime._no_grad, runtime.device)
     slots.reuse_prefixes = False
     alone = TorchBatchDecoder(runtime.model, runtime._no_grad, runtime.device)
-    got, got_logits = drive(slots, prompts, 26, chunk=16, leave=3)
     want, want_logits = drive(alone, prompts, 26, leave=3)
+    got, got_logits = drive(slots, prompts, 26, chunk=16, leave=3, forced=want)
     assert 3 not in got and slots.active == alone.active == len(prompts) - 1
     assert all(len(got[i]) > 1 for i in (0, 1, 2, 4))  # the long one joined and ran
     assert_close(got, got_logits, {i: t for i, t in want.items() if i != 3}, want_logits)
