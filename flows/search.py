@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.progress import progress_bar
+from flows.progress import clock, progress_bar
 from flows.stages import benchmark_fingerprint, prepare_inputs, workdir
 from tasks.decide.model_registry import Registration
 from tasks.engines.manifest import VariantManifest
@@ -230,12 +230,12 @@ def _explore(
         found, elapsed = measurer.proxy(name), time.monotonic() - started
         seen.append(name)
         left = (
-            f", {_clock(60 * s.budget_minutes - elapsed)} of the build budget left"
+            f", {clock(max(60 * s.budget_minutes - elapsed, 0))} of the build budget left"
             if s.budget_minutes
             else ""
         )
         get_run_logger().info(
-            f"[{_clock(elapsed)}] {name}: KL {found.kl:.3g}, {found.decode_tok_s:.1f} tok/s "
+            f"[{clock(elapsed)}] {name}: KL {found.kl:.3g}, {found.decode_tok_s:.1f} tok/s "
             f"(proposed {len(tried)}, built {len(seen)} of {min(room, len(space))} at most{left})"
         )
         return found
@@ -290,11 +290,6 @@ def production_variant(config: Config, manifests: dict[str, VariantManifest]) ->
     if production is None or not production.model_hash:
         return None
     return next((n for n, m in manifests.items() if m.model_hash == production.model_hash), None)
-
-
-def _clock(seconds: float) -> str:
-    seconds = max(int(seconds), 0)
-    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def search_journal(work: Path, config: Config, windows: dict, prompt: list[int], machine: dict) -> Journal:
