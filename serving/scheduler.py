@@ -269,8 +269,9 @@ class Scheduler(SpeculativeSteps):
     def _step_filling(self, decoder: Any, running: dict[int, _Running], filling: list[_Filling]) -> None:
         """Every running sequence's next token and the next slices of the joining prompts, first come first fed,
         as many as the step's token budget holds: one engine call (llama.cpp) or one per slice right after the
-        step (ONNX; the time counts as decode while requests run). A prompt's last slice gives its request the
-        first token; from then on it runs with the others."""
+        step (ONNX; the time counts as decode while requests run), each call's tokens sent as soon as it is done
+        (`stream_step`). A prompt's last slice gives its request the first token; from then on it runs with the
+        others."""
         for item in [f for f in filling if f.request.cancelled.is_set()]:
             decoder.remove(item.sequence)
             filling.remove(item)
@@ -290,40 +291,55 @@ class Scheduler(SpeculativeSteps):
             prompt = item.request.prompt
             fills.append((item, prompt[item.fed : item.fed + size], item.fed + size == len(prompt)))
             budget -= size
-        started = time.perf_counter()
-        stepped, filled = decoder.step_with_prefills(
+        started, decoding = time.perf_counter(), len(running)
+        parts = decoder.stream_step(
             {s: item.last for s, item in running.items()},
             [(f.sequence, chunk, last) for f, chunk, last in fills],
         )
+        sliced = {item.sequence: (item, chunk, last) for item, chunk, last in fills}
+        for stepped, filled in parts:  # each part's tokens go out while the decoder's later calls run
+            for sequence, row in stepped.items():
+                try:
+                    self._emit(decoder, running, sequence, row)
+                except Exception as exc:
+                    log.exception("a request failed choosing its token")
+                    self._drop(decoder, running, sequence, running[sequence].request, exc)
+            for sequence, logits in filled.items():
+                self._filled(decoder, running, filling, *sliced[sequence], logits)
         if self.metrics:
-            self.metrics.engine_seconds("decode" if running else "prefill", time.perf_counter() - started)
-            if running:
-                self.metrics.batch(len(running))
-        for item, chunk, _ in fills:
-            item.fed += len(chunk)
-        for sequence, row in stepped.items():
-            try:
-                self._emit(decoder, running, sequence, row)
-            except Exception as exc:
-                log.exception("a request failed choosing its token")
-                self._drop(decoder, running, sequence, running[sequence].request, exc)
-        for item, _, last in fills:
-            if not last:
-                continue
-            filling.remove(item)
-            try:  # its generator, then its first token: a failure of either ends this request only
-                rng = np.random.default_rng(item.request.sampling.seed)
-            except Exception as exc:
-                log.exception("a request failed choosing its token")
-                decoder.remove(item.sequence)
-                self._end(item.request, ("error", f"generation failed: {_first_line(exc)}"))
-                continue
-            running[item.sequence] = _Running(item.request, rng)
-            try:
-                self._emit(decoder, running, item.sequence, filled[item.sequence])
-            except Exception as exc:
-                log.exception("a request failed choosing its token")
-                self._drop(decoder, running, item.sequence, item.request, exc)
+            self.metrics.engine_seconds("decode" if decoding else "prefill", time.perf_counter() - started)
+            if decoding:
+                self.metrics.batch(decoding)
+
+    def _filled(
+        self,
+        decoder: Any,
+        running: dict[int, _Running],
+        filling: list[_Filling],
+        item: _Filling,
+        chunk: list[int],
+        last: bool,
+        logits: Any,
+    ) -> None:
+        """A slice of `item`'s prompt is in the cache; after its last one, the request runs with the others and
+        gets its first token from `logits` (a failure of either ends this request only)."""
+        item.fed += len(chunk)
+        if not last:
+            return
+        filling.remove(item)
+        try:
+            rng = np.random.default_rng(item.request.sampling.seed)
+        except Exception as exc:
+            log.exception("a request failed choosing its token")
+            decoder.remove(item.sequence)
+            self._end(item.request, ("error", f"generation failed: {_first_line(exc)}"))
+            return
+        running[item.sequence] = _Running(item.request, rng)
+        try:
+            self._emit(decoder, running, item.sequence, logits)
+        except Exception as exc:
+            log.exception("a request failed choosing its token")
+            self._drop(decoder, running, item.sequence, item.request, exc)
 
     def _admit(self, decoder: Any, running: dict[int, _Running], request: GenerationRequest) -> None:
         """Run a newcomer's prompt and pick its first token; a failure ends this request only."""

@@ -51,7 +51,7 @@ from __future__ import annotations
 import abc
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -205,6 +205,17 @@ class BatchDecoder(abc.ABC):
         calls: if a slice fails, the step has happened (the scheduler then ends every request the decoder holds
         and starts a fresh one)."""
         raise NotImplementedError(f"{type(self).__name__} runs prompts whole")
+
+    def stream_step(
+        self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
+    ) -> Iterator[tuple[dict[int, Any], dict[int, Any]]]:
+        """`step_with_prefills` in parts, each handed out as soon as the engine call behind it is done, so that the
+        server sends those tokens while the later calls run: (running sequences' logits, filled sequences' logits)
+        per part, every running sequence in the first. A decoder that runs the step and the slices as calls one
+        after the other (ONNX) hands out the step, then the slices; one engine call: one part. Between parts the
+        caller may `remove` a sequence already handed out (a request that ended on its first token), nothing
+        else."""
+        yield self.step_with_prefills(tokens, fills)
 
     @abc.abstractmethod
     def add(self, prompt: list[int]) -> tuple[int, Any]:

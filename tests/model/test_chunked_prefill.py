@@ -157,6 +157,74 @@ def test_several_long_prompts_arriving_together_are_fed_in_turn_and_answer_as_al
     assert answers == [llama.generate([prompt], 8, stop_at_eos=False)[0] for prompt in prompts]
 
 
+def test_a_bursts_slices_run_shortest_first_each_answering_before_the_next_call_and_share_their_starts(
+    tiny_engine_dir,
+):
+    """ONNX Runtime (a call per slice): in a step that carries three newcomers beside a running request, the
+    running request's token goes out before any prompt call, the slices run shortest first, each request's first
+    token goes out before the next slice's call, and a prompt that starts like one computed earlier in the step
+    computes only the rest (even though that one ended on its first token and left). Answers as alone."""
+    from tests.model.test_serving_limits import GatedRuntime
+
+    runtime = load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1))
+    shared = runtime.encode(RUNNING)
+    longer = shared + runtime.encode(" Then the train finds the quiet forest.")
+    requests = [(runtime.encode("A bridge"), 12), (runtime.encode(ARRIVING), 4), (longer, 4), (shared, 1)]
+    timeline: list[
+        tuple[str, int]
+    ] = []  # ("call", tokens) per prompt call, ("token", request) per token sent
+    gated = GatedRuntime(runtime)
+    make = gated.batch_decoder
+
+    def traced():
+        decoder = make()
+        run_alone = decoder._run_alone
+
+        def logged(chunk, cache, long=True):
+            timeline.append(("call", len(chunk)))
+            return run_alone(chunk, cache, long)
+
+        decoder._run_alone = logged
+        return decoder
+
+    gated.batch_decoder = traced
+    scheduler = Scheduler(gated, max_batch=4, max_queue=8)
+    answers: list[list[int]] = [[] for _ in requests]
+    finished = threading.Semaphore(0)
+
+    def collect(index):
+        def on_event(event):
+            if event[0] == "token":
+                answers[index].append(event[1][0])
+                timeline.append(("token", index))
+            else:
+                assert event[0] == "done", event
+                finished.release()
+
+        return on_event
+
+    scheduler.submit(GenerationRequest(*requests[0], Sampling(), collect(0)))
+    assert scheduler.wait_for(
+        lambda s: s.queued == 0, 30
+    )  # its prompt step is held until the burst is queued
+    for index, (prompt, budget) in enumerate(requests[1:], start=1):
+        scheduler.submit(GenerationRequest(prompt, budget, Sampling(), collect(index)))
+    gated.gate.set()
+    assert all(finished.acquire(timeout=60) for _ in requests)
+    scheduler.close()
+    assert answers == [runtime.generate([prompt], n, stop_at_eos=False)[0] for prompt, n in requests]
+    burst = timeline.index(("call", len(shared)))
+    assert timeline[burst - 1 : burst + 6] == [
+        ("token", 0),  # the running request's second token, before the prompt calls
+        ("call", len(shared)),  # the shortest slice first; its request ends on this token and leaves
+        ("token", 3),
+        ("call", len(longer) - len(shared)),  # only what it does not share with the one computed before it
+        ("token", 2),
+        ("call", len(requests[1][0])),
+        ("token", 1),
+    ], timeline
+
+
 def test_the_offline_same_mix_ceiling_runs_every_request_through_the_scheduler(llama):
     from serving.loadtest import LoadRequest, offline_same_mix
     from serving.models import Limits
@@ -168,25 +236,28 @@ def test_the_offline_same_mix_ceiling_runs_every_request_through_the_scheduler(l
 
 def rows_and_fills(decoder, steps: list[tuple[int, list[int]]]) -> None:
     """Log each scheduling step of `decoder` as (running rows, [size of each prompt slice])."""
-    step, fused_step = decoder.step, decoder.step_with_prefills
-    inside = []  # llama.cpp's step is its step_with_prefills without fills: one step, logged once
+    step, stream = decoder.step, decoder.stream_step
+    inside = []  # a step inside a logged one (ONNX's stream, llama.cpp's fused call): one step, logged once
 
-    def logged(run, tokens, fills):
+    def logged_step(tokens):
+        if not inside:
+            steps.append((len(tokens), []))
+        inside.append(True)
+        try:
+            return step(tokens)
+        finally:
+            inside.pop()
+
+    def logged_stream(tokens, fills):
         if not inside:
             steps.append((len(tokens), [len(chunk) for _, chunk, _ in fills]))
         inside.append(True)
         try:
-            return run()
+            yield from stream(tokens, fills)
         finally:
             inside.pop()
 
-    def logged_step(tokens):
-        return logged(lambda: step(tokens), tokens, [])
-
-    def logged_fused(tokens, fills):
-        return logged(lambda: fused_step(tokens, fills), tokens, fills)
-
-    decoder.step, decoder.step_with_prefills = logged_step, logged_fused
+    decoder.step, decoder.stream_step = logged_step, logged_stream
 
 
 def serve_gated(runtime, requests: list[tuple[list[int], int]], kv_tokens=None, cancel_first_at=0, **limits):

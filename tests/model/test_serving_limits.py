@@ -42,7 +42,7 @@ class GatedRuntime:
 
     def batch_decoder(self):
         decoder = self.runtime.batch_decoder()
-        for name in ("add", "step_with_prefills"):  # the calls that run prompts (whole, or in slices)
+        for name in ("add", "stream_step"):  # the calls that run prompts (whole, or in slices)
             setattr(decoder, name, self._gated(getattr(decoder, name)))
         self.decoders.append(decoder)
         return decoder

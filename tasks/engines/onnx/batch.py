@@ -3,6 +3,7 @@ leaving between steps, prompts in slices (see `OrtBatchDecoder`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,11 @@ class OrtBatchDecoder(BatchDecoder):
     Prefix reuse: a newcomer whose prompt starts like a running sequence's tokens gets a copy of that row's keys
     and values for the shared positions and runs only the rest of its prompt (the same tokens at the same
     positions). With `retain_tokens`, a leaving row's keys and values are kept (a copy, least recently used out
-    first) and serve later newcomers the same way. Prompts join in slices (`step_with_prefills`): the graph takes one new-token count per call, so a
-    joining prompt's slice cannot share the running rows' call as in llama.cpp; each slice gets its own call right
-    after theirs, which bounds what a running stream waits per token just the same.
+    first) and serve later newcomers the same way; so do prompts still joining, as far as they are computed (a
+    burst's prompts that start alike compute that start once: each slice looks again just before its call).
+    Prompts join in slices (`stream_step`): the graph takes one new-token count per call, so a joining prompt's
+    slice cannot share the running rows' call as in llama.cpp; the step runs first and its tokens go out, then each
+    slice gets its own call, shortest first, its first token going out as soon as it is done.
 
     Long slices with float activations: where the graph's MatMulNBits compute with int8 activations (the builder's
     `accuracy_level: 4`, its CPU default), a slice of `FLOAT_PROMPT_TOKENS` or more runs on a second session of
@@ -138,7 +141,8 @@ class OrtBatchDecoder(BatchDecoder):
 
     def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
         """A new sequence fed by `step_with_prefills`; with `prompt`, holding already the longest start of it a
-        running row holds (at most all but its last token). (its id, how many of the prompt's tokens it holds)."""
+        row, a prompt still filling or a retained sequence holds (at most all but its last token). (its id, how
+        many of the prompt's tokens it holds)."""
         tokens, cache = self._shared_start(prompt or [])
         self._next_id += 1
         self._partial[self._next_id] = (tokens, cache)
@@ -147,7 +151,7 @@ class OrtBatchDecoder(BatchDecoder):
     def add(self, prompt: list[int]) -> tuple[int, Any]:
         sequence, held = self.open(prompt)
         try:
-            logits = self._extend_all([(sequence, prompt[held:])])[0]
+            logits = next(self._extend_parts([(sequence, prompt[held:])]))[sequence]
         except Exception:
             self.remove(sequence)
             raise
@@ -157,32 +161,55 @@ class OrtBatchDecoder(BatchDecoder):
     def step_with_prefills(
         self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
     ) -> tuple[dict[int, Any], dict[int, Any]]:
+        stepped: dict[int, Any] = {}
+        filled: dict[int, Any] = {}
+        for rows, done in self.stream_step(tokens, fills):
+            stepped |= rows
+            filled |= done
+        return stepped, filled
+
+    def stream_step(
+        self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
+    ) -> Iterator[tuple[dict[int, Any], dict[int, Any]]]:
+        """The running rows' step first (its tokens go out before any prompt call), then the slices: the bfloat16
+        call where it takes them, else each alone, shortest first (a short prompt's first token does not wait for
+        the long ones' calls). A slice whose prompt starts like one computed earlier in the step (or before) runs
+        from where they part (see `_extend`)."""
         for sequence, chunk, _ in fills:
             if sequence not in self._partial or not chunk:
                 raise ValueError(
                     f"sequence {sequence} is not an opened one still filling, or its chunk is empty"
                 )
-        stepped = self.step(tokens) if self._ids else {}
-        found = self._extend_all([(sequence, chunk) for sequence, chunk, _ in fills])
-        filled = {}
-        for (sequence, _, last), logits in zip(fills, found, strict=True):
-            filled[sequence] = logits
-            if last:  # its prompt is complete: it steps with the others from the next call on
-                self._join(sequence)
-        return stepped, filled
+        if self._ids:
+            yield self.step(tokens), {}
+        last = {sequence: flag for sequence, _, flag in fills}
+        for found in self._extend_parts([(sequence, chunk) for sequence, chunk, _ in fills]):
+            for sequence in found:
+                if last[sequence]:  # its prompt is complete: it steps with the others from the next call on
+                    self._join(sequence)
+            yield {}, found
 
-    def _shared_start(self, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
-        """The longest start of `prompt` (all but its last token at most) a row or a retained finished sequence
-        holds, with a copy of its K/V."""
+    def _shared_start(
+        self, prompt: list[int], opened: int | None = None, beyond: int = 0
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """The longest start of `prompt` (all but its last token at most) a row, a prompt still filling (other than
+        `opened`'s) or a retained finished sequence holds, with a copy of its K/V; nothing unless it is longer than
+        `beyond` tokens."""
+        partial = [(key, held) for key, (held, _) in self._partial.items() if key != opened]
         shared, source, kept = (
-            shared_start(prompt, self._tokens, self._retained) if self.reuse_prefixes else (0, None, None)
+            shared_start(prompt, [*self._tokens, *(held for _, held in partial)], self._retained)
+            if self.reuse_prefixes
+            else (0, None, None)
         )
-        if source is None and kept is None:
+        if shared <= beyond or (source is None and kept is None):
             empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
             return [], [empty for _ in self._past]
         self.reused_tokens += shared
         if kept is not None:
             cache = [np.ascontiguousarray(kv[None, :, :shared]) for kv in self._retained.use(kept)]
+        elif source >= len(self._tokens):  # a prompt still filling: its cache so far, one array per input
+            held_cache = self._partial[partial[source - len(self._tokens)][0]][1]
+            cache = [np.ascontiguousarray(kv[:, :, :shared]) for kv in held_cache]
         else:
             cache = [np.ascontiguousarray(kv[source : source + 1, :, :shared]) for kv in self._cache]
         return list(prompt[:shared]), cache
@@ -199,32 +226,39 @@ class OrtBatchDecoder(BatchDecoder):
 
     def _extend(self, sequence: int, chunk: list[int]) -> Any:
         """Run `chunk` after what the opened `sequence` holds, in its own call of the graph (on the float session
-        from `FLOAT_PROMPT_TOKENS` on, where there is one); the logits after its last token."""
+        from `FLOAT_PROMPT_TOKENS` on, where there is one); the logits after its last token. Where another
+        sequence computed since it opened (a prompt of the same burst, say) holds more of its start than it does,
+        it takes that start's keys and values and computes only the rest."""
         held, cache = self._partial[sequence]
+        whole = held + list(chunk)
+        start, copied = self._shared_start(whole, opened=sequence, beyond=len(held))
+        if start:
+            self.reused_tokens -= len(held)  # (counted when it opened)
+            cache, chunk = copied, whole[len(start) :]
         self.steps += 1
         logits, present = self._run_alone(chunk, cache, len(chunk) >= FLOAT_PROMPT_TOKENS)
-        self._partial[sequence] = (held + list(chunk), present)
+        self._partial[sequence] = (whole, present)
         return logits
 
-    def _extend_all(self, fills: list[tuple[int, list[int]]]) -> list[Any]:
-        """Run each (opened sequence, chunk) after what it holds: all of them in one bfloat16 call where the decoder
-        has that path and the slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` between them, else
-        each in its own call of the graph. The logits after each chunk's last token, in `fills`' order."""
-        found: dict[int, Any] = {}
+    def _extend_parts(self, fills: list[tuple[int, list[int]]]) -> Iterator[dict[int, Any]]:
+        """Run each (opened sequence, chunk) after what it holds, handing out the logits after each chunk's last
+        token per call: all of them in one bfloat16 call where the decoder has that path and the slices of
+        `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` between them, else each in its own call of the
+        graph, shortest first."""
         wide = sum(len(chunk) for _, chunk in fills if len(chunk) >= BF16_SLICE_TOKENS)
         if self._bf16 is not None and wide >= BF16_PROMPT_TOKENS:
             # the step's other slices ride along: a few more rows of the same matmuls cost next to nothing there,
             # where each took a graph call of its own (~10 ms for the last token of a prompt whose start was reused)
             self.steps += 1
             slices = [(self._partial[sequence][1], chunk) for sequence, chunk in fills]
-            for index, (logits, present) in enumerate(self._bf16.run(slices)):
-                sequence, chunk = fills[index]
+            found = {}
+            for (sequence, chunk), (logits, present) in zip(fills, self._bf16.run(slices), strict=True):
                 self._partial[sequence] = (self._partial[sequence][0] + list(chunk), present)
-                found[index] = logits
-        for index, (sequence, chunk) in enumerate(fills):
-            if index not in found:
-                found[index] = self._extend(sequence, chunk)
-        return [found[index] for index in range(len(fills))]
+                found[sequence] = logits
+            yield found
+            return
+        for sequence, chunk in sorted(fills, key=lambda fill: len(fill[1])):
+            yield {sequence: self._extend(sequence, chunk)}
 
     def _run_alone(
         self, chunk: list[int], cache: list[np.ndarray], long: bool = True
