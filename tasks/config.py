@@ -304,9 +304,9 @@ class ServeConfig(Strict):
     # Prefix reuse (llama.cpp, ONNX, torch bf16/fp16): a prompt starting like a sequence in the cache takes its
     # K/V for the shared part
     prefix_reuse: bool = True
-    # ... and from finished requests: their keys/values stay in the cache, least recently used out first, up to this
-    # many tokens (llama-server's cache_prompt, vLLM's automatic prefix caching); 0: from running requests only
-    prefix_cache_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 4096
+    # ... and finished requests' K/V, least recently used out first, up to this many tokens (llama-server's
+    # cache_prompt, vLLM's prefix caching; ONNX, torch: <= 1/4 of free memory); 0: from running requests only
+    prefix_cache_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 16_384
     request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0  # queued + generating, then 504
     # Clients must send `Authorization: Bearer <key>` when this environment variable is set (and not empty).
     api_key_env: str = "LLMOPT_API_KEY"

@@ -375,6 +375,13 @@ def touch(buffers: list[Any]) -> None:
         buffer.fill(0) if hasattr(buffer, "fill") else buffer.zero_()
 
 
+def retain_budget(tokens: int, bytes_per_token: int) -> int:
+    """How many tokens of finished sequences' keys and values a decoder that keeps copies may hold: `tokens`
+    (serve.prefix_cache_tokens), and no more than a quarter of the memory still free (the copies grow with the
+    model: 46 KB a token for SmolLM2-135M's float32 cache, ~260 KB for an 8 B Llama's)."""
+    return min(tokens, free_memory() // 4 // max(bytes_per_token, 1))
+
+
 def free_memory() -> int:
     """Bytes this process can still take: the machine's available memory, or less where a cgroup limit says so."""
     import psutil

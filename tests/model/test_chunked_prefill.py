@@ -425,3 +425,26 @@ def test_the_finished_sequences_kept_are_the_most_recently_used_within_the_budge
     sequence, _ = decoder.add(a)
     decoder.remove(sequence)
     assert decoder.open(a + tail)[1] < len(a)  # nothing kept with no budget
+
+
+def test_the_onnx_decoders_kept_copies_take_no_more_than_a_quarter_of_the_free_memory(
+    tiny_engine_dir, monkeypatch
+):
+    """The ONNX decoder keeps copies of finished sequences' keys and values: within `retain_tokens` and within a
+    quarter of the memory still free (`retain_budget`), whichever is less."""
+    from tasks.engines import contract
+
+    runtime = load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1))
+    prompt = runtime.encode(RUNNING)
+    tail = runtime.encode(" Then the train finds the quiet forest.")
+    decoder = runtime.batch_decoder()
+    decoder.retain_tokens = 100_000
+    sequence, _ = decoder.add(prompt)
+    per_token = sum(store[0, :, :1].nbytes for store in decoder._store)
+    for free, kept in ((4 * per_token * (len(prompt) - 1), False), (4 * per_token * len(prompt), True)):
+        monkeypatch.setattr(contract, "free_memory", lambda free=free: free)
+        decoder.remove(sequence)  # kept, or not
+        opened, held = decoder.open(prompt + tail)
+        assert (held == len(prompt)) == kept
+        decoder.remove(opened)
+        sequence, _ = decoder.add(prompt)

@@ -9,7 +9,15 @@ from typing import Any
 
 import numpy as np
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start, touch, zeroed
+from tasks.engines.contract import (
+    BatchDecoder,
+    RetainedPrefixes,
+    free_memory,
+    retain_budget,
+    shared_start,
+    touch,
+    zeroed,
+)
 from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16, weights_bytes
 from tasks.engines.onnx.errors import engine_says
 from tasks.errors import ArtifactUnreadable
@@ -216,13 +224,16 @@ class OrtBatchDecoder(BatchDecoder):
 
     def _retain(self, row: int) -> None:
         """Keep a copy of a leaving row's keys and values for later prompts that start like it; the least
-        recently used go first beyond `retain_tokens` (and one that starts another kept one replaces it)."""
+        recently used go first beyond `retain_tokens` or a quarter of the free memory (`retain_budget`; one that
+        starts another kept one replaces it)."""
         tokens, held = self._tokens[row], int(self._lengths[row])
-        if not self.reuse_prefixes or not 1 < held <= self.retain_tokens:
+        per_token = sum(store[0, :, :1].nbytes for store in self._store)
+        budget = retain_budget(self.retain_tokens, per_token) if self.reuse_prefixes else 0
+        if not 1 < held <= budget:
             return
         self._next_id += 1
         copies = [store[row, :, :held].copy() for store in self._store]
-        self._retained.keep(self._next_id, tokens[:held], copies, self.retain_tokens)
+        self._retained.keep(self._next_id, tokens[:held], copies, budget)
 
     def _extend(self, sequence: int, chunk: list[int]) -> Any:
         """Run `chunk` after what the opened `sequence` holds, in its own call of the graph (on the float session

@@ -28,7 +28,14 @@ import threading
 import weakref
 from typing import Any
 
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, free_memory, shared_start, touch
+from tasks.engines.contract import (
+    BatchDecoder,
+    RetainedPrefixes,
+    free_memory,
+    retain_budget,
+    shared_start,
+    touch,
+)
 from tasks.engines.pytorch.linears import LinearMaps, cache_zeros, packed_linear_works
 
 # decoder layers whose forward is exactly: x + o(attn(rope(q, k), v)) after the input norm, then x + mlp(norm(x))
@@ -354,14 +361,16 @@ class SlotBatchDecoder(BatchDecoder):
         """Keep a copy of a leaving row's keys and values for later prompts that start like it (see the module
         docstring)."""
         held = int(self._lengths[row])
-        if not self.reuse_prefixes or not 1 < held <= self.retain_tokens:
+        per_token = sum(2 * keys[0, :, :1].nbytes for keys in self._keys)
+        budget = retain_budget(self.retain_tokens, per_token) if self.reuse_prefixes else 0
+        if not 1 < held <= budget:
             return
         self._next_id += 1
         copies = [
             (keys[row, :, :held].clone(), values[row, :, :held].clone())
             for keys, values in zip(self._keys, self._values, strict=True)
         ]
-        self._retained.keep(self._next_id, self._tokens[row][:held], copies, self.retain_tokens)
+        self._retained.keep(self._next_id, self._tokens[row][:held], copies, budget)
 
     def remove(self, sequence: int) -> None:
         """Forget `sequence`; the rows in use stay the first ones, running before filling (one or two rows'
