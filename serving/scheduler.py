@@ -291,13 +291,19 @@ class Scheduler(SpeculativeSteps):
             prompt = item.request.prompt
             fills.append((item, prompt[item.fed : item.fed + size], item.fed + size == len(prompt)))
             budget -= size
-        started, decoding = time.perf_counter(), len(running)
+        decoding, engine_s = len(running), 0.0
         parts = decoder.stream_step(
             {s: item.last for s, item in running.items()},
             [(f.sequence, chunk, last) for f, chunk, last in fills],
         )
         sliced = {item.sequence: (item, chunk, last) for item, chunk, last in fills}
-        for stepped, filled in parts:  # each part's tokens go out while the decoder's later calls run
+        while True:  # each part's tokens go out before the decoder's next call runs
+            started = time.perf_counter()
+            part = next(parts, None)
+            engine_s += time.perf_counter() - started  # the engine's time only, not the sending
+            if part is None:
+                break
+            stepped, filled = part
             for sequence, row in stepped.items():
                 try:
                     self._emit(decoder, running, sequence, row)
@@ -305,24 +311,17 @@ class Scheduler(SpeculativeSteps):
                     log.exception("a request failed choosing its token")
                     self._drop(decoder, running, sequence, running[sequence].request, exc)
             for sequence, logits in filled.items():
-                self._filled(decoder, running, filling, *sliced[sequence], logits)
+                self._filled(decoder, running, filling, sliced[sequence], logits)
         if self.metrics:
-            self.metrics.engine_seconds("decode" if decoding else "prefill", time.perf_counter() - started)
+            self.metrics.engine_seconds("decode" if decoding else "prefill", engine_s)
             if decoding:
                 self.metrics.batch(decoding)
 
-    def _filled(
-        self,
-        decoder: Any,
-        running: dict[int, _Running],
-        filling: list[_Filling],
-        item: _Filling,
-        chunk: list[int],
-        last: bool,
-        logits: Any,
-    ) -> None:
-        """A slice of `item`'s prompt is in the cache; after its last one, the request runs with the others and
-        gets its first token from `logits` (a failure of either ends this request only)."""
+    def _filled(self, decoder: Any, running: dict, filling: list, fill: tuple, logits: Any) -> None:
+        """A slice (`fill`: the filling item, its chunk, whether it is the last) of a prompt is in the cache; after
+        the last one, the request runs with the others and gets its first token from `logits` (a failure of either
+        ends this request only)."""
+        item, chunk, last = fill
         item.fed += len(chunk)
         if not last:
             return

@@ -448,3 +448,41 @@ def test_the_onnx_decoders_kept_copies_take_no_more_than_a_quarter_of_the_free_m
         assert (held == len(prompt)) == kept
         decoder.remove(opened)
         sequence, _ = decoder.add(prompt)
+    monkeypatch.setattr(contract, "free_memory", lambda: 4 * per_token)  # memory went: what is kept goes too
+    decoder.remove(sequence)
+    assert decoder.open(prompt + tail)[1] < len(prompt)
+
+
+def test_a_prompt_one_slice_behind_another_that_starts_alike_computes_only_what_they_do_not_share(
+    tiny_engine_dir,
+):
+    """ONNX, prompts in slices of 8: the second prompt joins a step after the first, which is still filling; at
+    each of its slices it takes the first one's keys and values for what they share (a prompt still joining is a
+    source too) and computes one token of it at most (a slice always computes its last); answers as alone."""
+    runtime = load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1))
+    shared = runtime.encode(" ".join([RUNNING] * 3))
+    ahead = shared + runtime.encode(" Then the train finds the quiet forest.")
+    behind = shared + runtime.encode(" A bridge over the river 3 holds the market.")
+    computed: list[int] = []
+    make = runtime.batch_decoder
+
+    def traced():
+        decoder = make()
+        run_alone = decoder._run_alone
+
+        def logged(chunk, cache, long=True):
+            computed.append(len(chunk))
+            return run_alone(chunk, cache, long)
+
+        decoder._run_alone = logged
+        return decoder
+
+    runtime.batch_decoder = traced
+    try:
+        answers, steps, _ = serve_gated(runtime, [(ahead, 4), (behind, 4)], max_batch=2, prefill_chunk=8)
+    finally:
+        del runtime.batch_decoder
+    assert answers == [runtime.generate([prompt], 4, stop_at_eos=False)[0] for prompt in (ahead, behind)]
+    assert any(fills == [8, 8] for _, fills in steps)  # both filling in one step: the second one slice behind
+    slices_of_shared = -(-len(shared) // 8)
+    assert sum(computed) <= len(ahead) + (len(behind) - len(shared)) + slices_of_shared, computed

@@ -219,7 +219,8 @@ class OrtBatchDecoder(BatchDecoder):
             held_cache = self._partial[partial[source - len(self._tokens)][0]][1]
             cache = [np.ascontiguousarray(kv[:, :, :shared]) for kv in held_cache]
         else:
-            cache = [np.ascontiguousarray(kv[source : source + 1, :, :shared]) for kv in self._cache]
+            # a copy, always: a view of a whole row would change when `remove` moves another row into it
+            cache = [kv[source : source + 1, :, :shared].copy() for kv in self._cache]
         return list(prompt[:shared]), cache
 
     def _retain(self, row: int) -> None:
@@ -227,8 +228,11 @@ class OrtBatchDecoder(BatchDecoder):
         recently used go first beyond `retain_tokens` or a quarter of the free memory (`retain_budget`; one that
         starts another kept one replaces it)."""
         tokens, held = self._tokens[row], int(self._lengths[row])
-        per_token = sum(store[0, :, :1].nbytes for store in self._store)
-        budget = retain_budget(self.retain_tokens, per_token) if self.reuse_prefixes else 0
+        if not self.reuse_prefixes or self.retain_tokens <= 0:
+            return
+        budget = retain_budget(self.retain_tokens, sum(store[0, :, :1].nbytes for store in self._store))
+        while self._retained.tokens > budget:  # free memory may have shrunk since the last ones were kept
+            self._retained.drop_oldest()
         if not 1 < held <= budget:
             return
         self._next_id += 1

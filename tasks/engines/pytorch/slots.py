@@ -361,8 +361,11 @@ class SlotBatchDecoder(BatchDecoder):
         """Keep a copy of a leaving row's keys and values for later prompts that start like it (see the module
         docstring)."""
         held = int(self._lengths[row])
-        per_token = sum(2 * keys[0, :, :1].nbytes for keys in self._keys)
-        budget = retain_budget(self.retain_tokens, per_token) if self.reuse_prefixes else 0
+        if not self.reuse_prefixes or self.retain_tokens <= 0:
+            return
+        budget = retain_budget(self.retain_tokens, sum(2 * keys[0, :, :1].nbytes for keys in self._keys))
+        while self._retained.tokens > budget:  # free memory may have shrunk since the last ones were kept
+            self._retained.drop_oldest()
         if not 1 < held <= budget:
             return
         self._next_id += 1
