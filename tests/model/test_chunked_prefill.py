@@ -5,6 +5,7 @@ stream never waits for a whole prompt; a shared start is computed once; the answ
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -164,8 +165,6 @@ def test_a_bursts_slices_run_shortest_first_each_answering_before_the_next_call_
     running request's token goes out before any prompt call, the slices run shortest first, each request's first
     token goes out before the next slice's call, and a prompt that starts like one computed earlier in the step
     computes only the rest (even though that one ended on its first token and left). Answers as alone."""
-    from tests.model.test_serving_limits import GatedRuntime
-
     runtime = load_runtime(tiny_engine_dir("onnxruntime-genai"), TargetConfig(threads=1))
     shared = runtime.encode(RUNNING)
     longer = shared + runtime.encode(" Then the train finds the quiet forest.")
@@ -173,45 +172,8 @@ def test_a_bursts_slices_run_shortest_first_each_answering_before_the_next_call_
     timeline: list[
         tuple[str, int]
     ] = []  # ("call", tokens) per prompt call, ("token", request) per token sent
-    gated = GatedRuntime(runtime)
-    make = gated.batch_decoder
-
-    def traced():
-        decoder = make()
-        run_alone = decoder._run_alone
-
-        def logged(chunk, cache, long=True):
-            timeline.append(("call", len(chunk)))
-            return run_alone(chunk, cache, long)
-
-        decoder._run_alone = logged
-        return decoder
-
-    gated.batch_decoder = traced
-    scheduler = Scheduler(gated, max_batch=4, max_queue=8)
-    answers: list[list[int]] = [[] for _ in requests]
-    finished = threading.Semaphore(0)
-
-    def collect(index):
-        def on_event(event):
-            if event[0] == "token":
-                answers[index].append(event[1][0])
-                timeline.append(("token", index))
-            else:
-                assert event[0] == "done", event
-                finished.release()
-
-        return on_event
-
-    scheduler.submit(GenerationRequest(*requests[0], Sampling(), collect(0)))
-    assert scheduler.wait_for(
-        lambda s: s.queued == 0, 30
-    )  # its prompt step is held until the burst is queued
-    for index, (prompt, budget) in enumerate(requests[1:], start=1):
-        scheduler.submit(GenerationRequest(prompt, budget, Sampling(), collect(index)))
-    gated.gate.set()
-    assert all(finished.acquire(timeout=60) for _ in requests)
-    scheduler.close()
+    with prompt_calls(runtime, timeline):
+        answers, _, _ = serve_gated(runtime, requests, max_batch=4, timeline=timeline)
     assert answers == [runtime.generate([prompt], n, stop_at_eos=False)[0] for prompt, n in requests]
     burst = timeline.index(("call", len(shared)))
     assert timeline[burst - 1 : burst + 6] == [
@@ -223,6 +185,29 @@ def test_a_bursts_slices_run_shortest_first_each_answering_before_the_next_call_
         ("call", len(requests[1][0])),
         ("token", 1),
     ], timeline
+
+
+@contextlib.contextmanager
+def prompt_calls(runtime, log: list[tuple[str, int]]):
+    """While inside, the ONNX decoders `runtime` makes log each prompt call as ("call", tokens it computes)."""
+    make = runtime.batch_decoder
+
+    def traced():
+        decoder = make()
+        run_alone = decoder._run_alone
+
+        def logged(chunk, cache, long=True):
+            log.append(("call", len(chunk)))
+            return run_alone(chunk, cache, long)
+
+        decoder._run_alone = logged
+        return decoder
+
+    runtime.batch_decoder = traced
+    try:
+        yield
+    finally:
+        del runtime.batch_decoder
 
 
 def test_the_offline_same_mix_ceiling_runs_every_request_through_the_scheduler(llama):
@@ -260,10 +245,13 @@ def rows_and_fills(decoder, steps: list[tuple[int, list[int]]]) -> None:
     decoder.step, decoder.stream_step = logged_step, logged_stream
 
 
-def serve_gated(runtime, requests: list[tuple[list[int], int]], kv_tokens=None, cancel_first_at=0, **limits):
+def serve_gated(
+    runtime, requests: list[tuple[list[int], int]], kv_tokens=None, cancel_first_at=0, timeline=None, **limits
+):
     """Serve `requests` (prompt, max_tokens) through a scheduler whose first prompt step waits until all of them
-    are queued, the first cancelled after `cancel_first_at` tokens if set; (their tokens, each step as (running
-    rows, prompt slice sizes), each engine call)."""
+    are queued, the first cancelled after `cancel_first_at` tokens if set, each token sent logged to `timeline`
+    as ("token", request) if given; (their tokens, each step as (running rows, prompt slice sizes), each engine
+    call)."""
     from tests.model.test_serving_limits import GatedRuntime
 
     steps, calls = [], []
@@ -276,6 +264,8 @@ def serve_gated(runtime, requests: list[tuple[list[int], int]], kv_tokens=None, 
         def on_event(event):
             if event[0] == "token":
                 answers[index].append(event[1][0])
+                if timeline is not None:
+                    timeline.append(("token", index))
                 if index == 0 and len(answers[0]) == cancel_first_at:
                     first.cancel()
             else:
@@ -463,26 +453,11 @@ def test_a_prompt_one_slice_behind_another_that_starts_alike_computes_only_what_
     shared = runtime.encode(" ".join([RUNNING] * 3))
     ahead = shared + runtime.encode(" Then the train finds the quiet forest.")
     behind = shared + runtime.encode(" A bridge over the river 3 holds the market.")
-    computed: list[int] = []
-    make = runtime.batch_decoder
-
-    def traced():
-        decoder = make()
-        run_alone = decoder._run_alone
-
-        def logged(chunk, cache, long=True):
-            computed.append(len(chunk))
-            return run_alone(chunk, cache, long)
-
-        decoder._run_alone = logged
-        return decoder
-
-    runtime.batch_decoder = traced
-    try:
+    calls: list[tuple[str, int]] = []
+    with prompt_calls(runtime, calls):
         answers, steps, _ = serve_gated(runtime, [(ahead, 4), (behind, 4)], max_batch=2, prefill_chunk=8)
-    finally:
-        del runtime.batch_decoder
     assert answers == [runtime.generate([prompt], 4, stop_at_eos=False)[0] for prompt in (ahead, behind)]
     assert any(fills == [8, 8] for _, fills in steps)  # both filling in one step: the second one slice behind
     slices_of_shared = -(-len(shared) // 8)
-    assert sum(computed) <= len(ahead) + (len(behind) - len(shared)) + slices_of_shared, computed
+    computed = sum(tokens for _, tokens in calls)
+    assert computed <= len(ahead) + (len(behind) - len(shared)) + slices_of_shared, calls
