@@ -332,6 +332,10 @@ class RetainedPrefixes:
                 del self._kept[other]
                 self._forget(other)
         self._kept[key] = (tokens, value)
+        self.fit(budget)
+
+    def fit(self, budget: int) -> None:
+        """Forget the least recently used until `budget` tokens are kept at most."""
         while self.tokens > budget:
             self.drop_oldest()
 

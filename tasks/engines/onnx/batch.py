@@ -231,8 +231,7 @@ class OrtBatchDecoder(BatchDecoder):
         if not self.reuse_prefixes or self.retain_tokens <= 0:
             return
         budget = retain_budget(self.retain_tokens, sum(store[0, :, :1].nbytes for store in self._store))
-        while self._retained.tokens > budget:  # free memory may have shrunk since the last ones were kept
-            self._retained.drop_oldest()
+        self._retained.fit(budget)  # free memory may have shrunk since the last ones were kept
         if not 1 < held <= budget:
             return
         self._next_id += 1

@@ -364,8 +364,7 @@ class SlotBatchDecoder(BatchDecoder):
         if not self.reuse_prefixes or self.retain_tokens <= 0:
             return
         budget = retain_budget(self.retain_tokens, sum(2 * keys[0, :, :1].nbytes for keys in self._keys))
-        while self._retained.tokens > budget:  # free memory may have shrunk since the last ones were kept
-            self._retained.drop_oldest()
+        self._retained.fit(budget)  # free memory may have shrunk since the last ones were kept
         if not 1 < held <= budget:
             return
         self._next_id += 1
