@@ -64,12 +64,19 @@ class Generation:
     ) -> None:
         self.served, self.loaded = served, served.current  # this request's model, even if a swap happens
         runtime = self.loaded.runtime
-        context = runtime.context_length
+        context = (
+            self.loaded.scheduler.request_tokens or runtime.context_length
+        )  # the model's context, or the server's room per request
         if len(prompt) + max_tokens > context:
+            what = (
+                "the model's context"
+                if context == runtime.context_length
+                else "the server's room per request"
+            )
             raise RequestError(
                 400,
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {len(prompt) + max_tokens} tokens "
-                f"exceeds the model's context of {context} tokens",
+                f"exceeds {what} of {context} tokens",
                 "context_length_exceeded",
             )
         self.prompt, self.max_tokens, self.timeout_s, self.metrics = prompt, max_tokens, timeout_s, metrics

@@ -103,6 +103,7 @@ class Scheduler(SpeculativeSteps):
         # (a server building its app beside it held the GIL enough to make torch's calls 2-5x slower there)
         self._ready = threading.Event()
         self._failed_start: BaseException | None = None  # why the worker stopped before its decoder was made
+        self.request_tokens: int | None = None  # the most tokens one request holds (set by `_decoder`)
         if own_thread:
             self._thread = threading.Thread(target=self._work, name="llmopt-scheduler", daemon=True)
             self._thread.start()
@@ -176,14 +177,16 @@ class Scheduler(SpeculativeSteps):
 
     def _decoder(self) -> Any:
         decoder = self.runtime.batch_decoder()
+        decoder.rows, decoder.reuse_prefixes = self.max_batch, self.prefix_reuse
+        decoder.retain_tokens = self.prefix_cache_tokens if self.prefix_reuse else 0
+        limit = getattr(decoder, "sequence_tokens", None)  # one request's room, where < the context
+        self.request_tokens = min(limit, self.runtime.context_length) if limit else None
         # the first decoder sets up its rows ahead (one made after a failed step would only make requests wait)
         if not self._ready.is_set():
             try:
                 decoder.reserve(self.max_batch)
             except Exception:  # room set up ahead saves time only: without it rows take memory as they join
                 log.warning("could not set up KV rows ahead of the first request", exc_info=True)
-        decoder.reuse_prefixes = self.prefix_reuse
-        decoder.retain_tokens = self.prefix_cache_tokens if self.prefix_reuse else 0
         return decoder
 
     def _serve(self, running: dict[int, _Running]) -> None:

@@ -43,7 +43,8 @@ def info(http: Request) -> dict:
     state = state_of(http)
     served = state.model_router.models[0]
     runtime = served.current.runtime
-    context = runtime.context_length
+    # the model's context, or the server's room per request
+    context = served.current.scheduler.request_tokens or runtime.context_length
     return {
         "model_id": served.served_id,
         "model_sha": None,

@@ -166,6 +166,12 @@ class BatchDecoder(abc.ABC):
     # The most tokens the cache holds over all sequences together (the server admits a request only while the
     # prompts and budgets of those it holds fit); None: the cache grows as needed
     kv_tokens: int | None = None
+    # The most tokens one sequence holds, prompt and answer (the server refuses a longer request with a 400);
+    # None: the model's context
+    sequence_tokens: int | None = None
+    # How many sequences the server steps together (set by the server from serve.max_batch: decoders that size a
+    # cache up front for them)
+    rows: int = 16
     # Whether a newcomer may take the cache of a prompt start another sequence holds (decoders that can; set by
     # the server from serve.prefix_reuse)
     reuse_prefixes: bool = True

@@ -417,6 +417,33 @@ def test_the_finished_sequences_kept_are_the_most_recently_used_within_the_budge
     assert decoder.open(a + tail)[1] < len(a)  # nothing kept with no budget
 
 
+def test_llama_cpps_kept_copies_take_no_more_than_a_quarter_of_the_free_memory(tiny_engine_dir, monkeypatch):
+    """llama.cpp keeps a finished sequence as a copy of its cells in memory (its stream freed for the next one),
+    within `retain_tokens` and a quarter of the free memory; a newcomer continuing a kept one gets it back."""
+    from tasks.engines import contract
+
+    runtime = load_runtime(tiny_engine_dir("llama.cpp"), TargetConfig(threads=1))
+    a, b = (
+        runtime.encode(RUNNING),
+        runtime.encode(" ".join(["Winter letters reach the village music hall."] * 3)),
+    )
+    tail = runtime.encode(" Then the train finds the quiet forest.")
+    per_token = runtime._model.kv_bytes_per_token
+    monkeypatch.setattr(
+        contract, "free_memory", lambda: 4 * per_token * (max(len(a), len(b)) + 2)
+    )  # one of them
+    decoder = runtime.batch_decoder()
+    decoder.rows, decoder.retain_tokens = 2, 100_000
+    for prompt in (a, b):
+        sequence, _ = decoder.add(prompt)
+        decoder.remove(sequence)
+    assert decoder.active == 0 and len(decoder._retained.keys()) == 1  # b's copy; a's went for the memory
+    later, held = decoder.open(b + tail)
+    assert held == len(b)
+    decoder.remove(later)
+    assert decoder.open(a + tail)[1] < len(a)
+
+
 def test_the_onnx_decoders_kept_copies_take_no_more_than_a_quarter_of_the_free_memory(
     tiny_engine_dir, monkeypatch
 ):

@@ -336,3 +336,30 @@ def test_a_stream_outlives_the_body_deadline(onnx_runtime):
         gated.gate.set()
         reader.join(timeout=60)
         assert lines and lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines
+
+
+def test_llama_cpp_serves_each_sequence_in_a_stream_of_its_own_and_refuses_what_a_stream_cannot_hold(
+    llama_runtime, monkeypatch
+):
+    """The server's llama.cpp decoder gives each of its `max_batch` rows a KV stream of its own (a token attends
+    over its own sequence's cells only; finished ones are kept as copies in memory, not in streams); a request
+    longer than a stream is a 400 naming the room, /info says it, and the server goes on."""
+    from tasks.engines.llama_cpp import batch
+
+    monkeypatch.setattr(batch, "STREAM_TOKENS", 256)  # the tiny model's context is 512
+    gated = GatedRuntime(llama_runtime)
+    gated.gate.set()
+    settings = ServeConfig(max_new_tokens=64, max_batch=3, prefix_cache_tokens=100_000)
+    with live_server(gated, settings) as (url, _):
+        context = gated.decoders[0]._context
+        assert not context.unified and context.sequences == 3 and context.cells == 3 * 256
+
+        def ask(prompt_tokens: int) -> httpx.Response:
+            body = {"prompt": [5] * prompt_tokens, "max_tokens": 64, "temperature": 0}
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+        refused = ask(200)
+        assert refused.status_code == 400, refused.text
+        assert "exceeds the server's room per request of 256 tokens" in refused.json()["error"]["message"]
+        assert httpx.get(f"{url}/info", timeout=60).json()["max_total_tokens"] == 256
+        assert ask(150).status_code == 200

@@ -1,8 +1,9 @@
 """The llama.cpp engine: a GGUF file run by llama.cpp through llama-cpp-python's C API (no Python sampling layer).
 
 Scoring asks llama.cpp for the logits of every position; generation and serving put several sequences into one
-`llama_decode` batch (each with its own `seq_id` and positions in one unified KV cache), so sequences of different
-lengths step together exactly: llama.cpp's attention mask keeps every sequence to its own cache cells.
+`llama_decode` batch (each with its own `seq_id` and positions), so sequences of different lengths step together
+exactly: llama.cpp's attention mask keeps every sequence to its own cache cells. Generation shares one unified KV
+cache; the server's decoder gives each sequence a stream of its own (see `LlamaCppBatchDecoder`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from tasks.config import TargetConfig
-from tasks.engines.contract import BatchDecoder, RetainedPrefixes, Runtime, next_token_nll, shared_start
+from tasks.engines.contract import Runtime, next_token_nll
+from tasks.engines.llama_cpp.batch import LlamaCppBatchDecoder
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.registry import register_engine
 from tasks.errors import ArtifactUnreadable, EngineError
@@ -27,7 +29,6 @@ ENGINE = "llama.cpp"
 GGUF = "gguf"  # the weights format: model.gguf beside the Hugging Face tokenizer
 MODEL_FILE = "model.gguf"
 _COMPUTE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmopt-llama.cpp")
-MAX_SEQUENCES = 64  # sequences one serving decoder steps together (serve.max_batch is at most 64)
 UBATCH = 512  # tokens llama.cpp computes at once (its default; bounds the compute buffers)
 
 _init_lock = threading.Lock()
@@ -88,6 +89,15 @@ class GgufModel:
             raise ArtifactUnreadable(f"{path}: llama.cpp cannot load this GGUF file: {said}")
         self.n_vocab = self._lib.llama_vocab_n_tokens(self._lib.llama_model_get_vocab(self.pointer))
         self.n_ctx_train = int(self._lib.llama_model_n_ctx_train(self.pointer))
+        lib, model = self._lib, self.pointer
+        # the keys and values of one token in llama.cpp's default f16 cache
+        self.kv_bytes_per_token = (
+            lib.llama_model_n_layer(model)
+            * 2
+            * 2
+            * lib.llama_model_n_head_kv(model)
+            * (lib.llama_model_n_embd(model) // max(lib.llama_model_n_head(model), 1))
+        )
 
     def __del__(self) -> None:
         if getattr(self, "pointer", None):
@@ -163,24 +173,30 @@ class LlamaCppRuntime(Runtime):
         return LlamaCppSequence(self.context(capacity, 1))
 
     def batch_decoder(self) -> LlamaCppBatchDecoder:
-        cells = min(self.context_length * MAX_SEQUENCES, max(self.context_length, 8192))
-        context = _Context(self._model, cells, MAX_SEQUENCES, self._threads)
-        return LlamaCppBatchDecoder(context, self)
+        return LlamaCppBatchDecoder(self)
+
+    def streams(self, sequences: int, tokens: int) -> _Context:
+        """A context of `sequences` KV streams of `tokens` cells each (the server's decoder)."""
+        return _Context(self._model, sequences * tokens, sequences, self._threads, unified=False)
 
 
 class _Context:
-    """A llama_context and a reusable llama_batch (CPU, unified KV cache, f16 cache like llama.cpp's default)."""
+    """A llama_context and a reusable llama_batch (CPU, f16 cache like llama.cpp's default). `unified`: every
+    sequence's cells in one cache; else one stream of cells / sequences cells per sequence id, as llama-server's
+    slots (each token then attends over its own sequence's cells only, not over every sequence's)."""
 
-    def __init__(self, model: GgufModel, cells: int, sequences: int, threads: int) -> None:
+    def __init__(
+        self, model: GgufModel, cells: int, sequences: int, threads: int, unified: bool = True
+    ) -> None:
         lib = self._lib = llama_cpp_module()
         params = lib.llama_context_default_params()
         params.n_ctx = params.n_batch = cells  # a whole prompt (or window) fits in one llama_decode call ...
         params.n_ubatch = min(cells, UBATCH)  # ... which llama.cpp runs in chunks of this many tokens
         params.n_seq_max = sequences
         params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = True
+        params.kv_unified = unified
         params.no_perf = True
-        self.cells, self.sequences = cells, sequences
+        self.cells, self.sequences, self.unified = cells, sequences, unified
         self._model = model  # keeps the model alive while this context uses it
         self._ctx = lib.llama_init_from_model(model.pointer, params)
         if not self._ctx:
@@ -210,9 +226,24 @@ class _Context:
             raise EngineError(f"llama.cpp cannot rewind this model's cache to {length} tokens")
 
     def share(self, source: int, target: int, length: int) -> None:
-        """Give `target` the cache cells of `source`'s first `length` positions (the unified cache shares the
-        cells themselves: nothing is copied or recomputed)."""
-        self._lib.llama_memory_seq_cp(self._memory, source, target, 0, length)
+        """Give `target` the cache cells of `source`'s first `length` positions, nothing recomputed: all of
+        `source`'s, then the rest dropped (across streams llama.cpp copies only whole ones, in its next decode; a
+        unified cache shares the cells themselves)."""
+        self._lib.llama_memory_seq_cp(self._memory, source, target, 0, -1)
+        self.truncate(target, length)
+
+    def save(self, sequence: int) -> Any:
+        """A copy of `sequence`'s cells in this process's memory (its keys and values, only the cells it uses)."""
+        size = self._lib.llama_state_seq_get_size(self._ctx, sequence)
+        data = (ctypes.c_uint8 * size)()
+        if self._lib.llama_state_seq_get_data(self._ctx, data, size, sequence) != size:
+            raise EngineError("llama.cpp could not copy a sequence's cache")
+        return data
+
+    def restore(self, data: Any, sequence: int) -> None:
+        """Put a copy `save` made into `sequence`'s (empty) cells."""
+        if self._lib.llama_state_seq_set_data(self._ctx, data, len(data), sequence) == 0:
+            raise EngineError("llama.cpp could not put a kept sequence's cache back")
 
     def decode(self, work: list[tuple[int, list[int], int, bool]]) -> list[np.ndarray]:
         """Run (sequence id, tokens, first position, logits for every token?) items as one batch; per item, its
@@ -265,151 +296,6 @@ class LlamaCppSequence:
         if length < self.length:
             self._context.truncate(0, length)
             self.length = length
-
-
-class LlamaCppBatchDecoder(BatchDecoder):
-    """Iteration-level batching in llama.cpp: every step is one `llama_decode` with one token per sequence, each
-    at its own position under its own `seq_id`; leaving frees that sequence's cells for the next one.
-
-    Prefix reuse: a newcomer whose prompt starts like a sequence in the cache (a shared system prompt, a chat
-    history) is given that sequence's cells for the shared positions and runs only the rest of its prompt; the
-    same tokens at the same positions have the same keys and values, so the answer does not change. With
-    `retain_tokens`, a leaving sequence keeps its cells (and its seq_id) for later newcomers while the cells are not
-    needed: the least recently used go first when the running sequences' next tokens need the room (the server
-    admits requests against all the cells, `kv_tokens`, so a kept sequence never keeps a request out). The context
-    is not enlarged for them (its KV memory is allocated whole when it is made)."""
-
-    chunked_prefill = True  # prompts' slices and the running sequences' tokens go into one llama_decode
-    verifies = True  # several positions of one sequence in one llama_decode, cells removed on rewind
-
-    def __init__(self, context: _Context, runtime: LlamaCppRuntime) -> None:
-        self._context, self._runtime = context, runtime  # the runtime owns the model the context uses
-        self.kv_tokens = context.cells
-        self._context.clear()
-        # finished sequences kept for prefix reuse, by their llama.cpp seq_id (their cells stay tagged with it)
-        self._retained = RetainedPrefixes(self._context.forget)
-        self._slots: dict[int, int] = {}  # sequence id → llama.cpp seq_id
-        self._lengths: dict[int, int] = {}
-        self._tokens: dict[int, list[int]] = {}  # what each sequence's cells hold, position by position
-        self._filling: set[int] = set()  # opened sequences whose prompt is still arriving
-        self._next_id = 0
-        self.reused_tokens = 0  # prompt tokens taken from another sequence's cells instead of computed
-
-    @property
-    def active(self) -> int:
-        return len(self._slots)
-
-    def open(self, prompt: list[int] | None = None) -> tuple[int, int]:
-        """A new sequence; with `prompt`, holding already the longest start of it another sequence holds (at
-        most all but its last token). (its id, how many of the prompt's tokens it holds)."""
-        free = sorted(
-            set(range(self._context.sequences)) - set(self._slots.values()) - set(self._retained.keys())
-        )
-        if not free and self._retained:  # a kept sequence gives its seq_id up (the least recently used)
-            free = [self._retained.drop_oldest()]
-        if not free:
-            raise ValueError(f"the decoder already steps {self._context.sequences} sequences")
-        running = list(self._tokens.items())
-        shared, row, source = (
-            shared_start(prompt or [], [held for _, held in running], self._retained)
-            if self.reuse_prefixes
-            else (0, None, None)
-        )
-        if row is not None:  # a running sequence's cells, else a kept one's (its key is its seq_id)
-            source = self._slots[running[row][0]]
-        if source in self._retained:
-            self._retained.use(source)  # the last to go
-        self._next_id += 1
-        sequence = self._next_id
-        self._slots[sequence], self._lengths[sequence], self._tokens[sequence] = free[0], 0, []
-        self._filling.add(sequence)  # not stepped until its prompt is in (`add`, or a `last` chunk)
-        if source is not None:
-            self._context.share(source, free[0], shared)
-            self._lengths[sequence], self._tokens[sequence] = shared, list(prompt[:shared])
-            self.reused_tokens += shared
-        return sequence, shared
-
-    def add(self, prompt: list[int]) -> tuple[int, Any]:
-        sequence, held = self.open(prompt)
-        self.steps += 1
-        self._make_room(len(prompt) - held)
-        try:
-            (logits,) = self._context.decode([(self._slots[sequence], prompt[held:], held, False)])
-        except Exception:
-            self.remove(sequence)
-            raise
-        self._lengths[sequence], self._tokens[sequence] = len(prompt), list(prompt)
-        self._filling.discard(sequence)
-        return sequence, logits[-1]
-
-    def step(self, tokens: dict[int, int]) -> dict[int, Any]:
-        stepped, _ = self.step_with_prefills(tokens, [])
-        return stepped
-
-    def step_with_prefills(
-        self, tokens: dict[int, int], fills: list[tuple[int, list[int], bool]]
-    ) -> tuple[dict[int, Any], dict[int, Any]]:
-        """The running sequences' tokens and every fill's chunk in one `llama_decode`, as llama-server batches."""
-        running = set(self._slots) - self._filling
-        if set(tokens) != running:
-            raise ValueError(
-                f"step needs a token for every running sequence {sorted(running)}, got {sorted(tokens)}"
-            )
-        for sequence, chunk, _ in fills:
-            if sequence not in self._filling or not chunk:
-                raise ValueError(
-                    f"sequence {sequence} is not an opened one still filling, or its chunk is empty"
-                )
-        self.steps += 1
-        self._make_room(len(running) + sum(len(chunk) for _, chunk, _ in fills))
-        order = sorted(running)
-        work = [(self._slots[s], [tokens[s]], self._lengths[s], False) for s in order]
-        work += [(self._slots[s], chunk, self._lengths[s], False) for s, chunk, _ in fills]
-        logits = self._context.decode(work)
-        for sequence in order:
-            self._lengths[sequence] += 1
-            self._tokens[sequence].append(tokens[sequence])
-        for sequence, chunk, last in fills:
-            self._lengths[sequence] += len(chunk)
-            self._tokens[sequence].extend(chunk)
-            if last:  # its prompt is complete: it steps with the others from the next call on
-                self._filling.discard(sequence)
-        stepped = {sequence: rows[-1] for sequence, rows in zip(order, logits, strict=False)}
-        filled = {s: rows[-1] for (s, _, _), rows in zip(fills, logits[len(order) :], strict=True)}
-        return stepped, filled
-
-    def verify(self, sequence: int, tokens: list[int]) -> Any:
-        if set(self._slots) - self._filling != {sequence}:
-            raise ValueError(f"verify runs sequence {sequence} alone; running: {sorted(self._slots)}")
-        self.steps += 1
-        self._make_room(len(tokens))
-        (logits,) = self._context.decode([(self._slots[sequence], tokens, self._lengths[sequence], True)])
-        self._lengths[sequence] += len(tokens)
-        self._tokens[sequence].extend(tokens)
-        return logits
-
-    def rewind(self, sequence: int, length: int) -> None:
-        if length < self._lengths[sequence]:
-            self._context.truncate(self._slots[sequence], length)
-            self._lengths[sequence] = length
-            del self._tokens[sequence][length:]
-
-    def _make_room(self, incoming: int) -> None:
-        """Forget kept finished sequences, least recently used first, until the sequences in the cache and
-        `incoming` more tokens fit its cells (counting shared cells twice: never too few)."""
-        used = sum(self._lengths.values()) + incoming
-        while self._retained and used + self._retained.tokens > self._context.cells:
-            self._retained.drop_oldest()
-
-    def remove(self, sequence: int) -> None:
-        slot, tokens = self._slots.pop(sequence), self._tokens.pop(sequence)
-        del self._lengths[sequence]
-        room = min(self.retain_tokens, self._context.cells)
-        if sequence in self._filling or not self.reuse_prefixes or not 1 < len(tokens) <= room:
-            self._filling.discard(sequence)
-            self._context.forget(slot)
-            return
-        self._retained.keep(slot, tokens, None, room)
 
 
 def _room_for(tokens: int) -> int:
