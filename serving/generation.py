@@ -64,9 +64,8 @@ class Generation:
     ) -> None:
         self.served, self.loaded = served, served.current  # this request's model, even if a swap happens
         runtime = self.loaded.runtime
-        context = (
-            self.loaded.scheduler.request_tokens or runtime.context_length
-        )  # the model's context, or the server's room per request
+        # the model's context, or the server's room per request where that is less (llama.cpp's streams)
+        context = self.loaded.scheduler.request_tokens or runtime.context_length
         if len(prompt) + max_tokens > context:
             what = (
                 "the model's context"

@@ -301,9 +301,9 @@ def cut_after_eos(tokens: list[int], eos: int | None) -> list[int]:
 
 class RetainedPrefixes:
     """Finished sequences a batch decoder keeps for prefix reuse, least recently used first: each under a key of
-    the engine's (llama.cpp: its seq_id), with its tokens and whatever the engine holds for it (ONNX: a copy of its
-    keys and values); `forget(key)` frees what the engine holds when one goes. A newcomer that holds all of a kept
-    one's tokens and more replaces it."""
+    the engine's, with its tokens and whatever the engine holds for it (llama.cpp: a copy of its used cells; ONNX:
+    a copy of its keys and values); `forget(key)` frees what the engine holds when one goes. A newcomer that holds
+    all of a kept one's tokens and more replaces it."""
 
     def __init__(self, forget: Callable[[Any], None] = lambda key: None) -> None:
         self._kept: collections.OrderedDict[Any, tuple[list[int], Any]] = collections.OrderedDict()
