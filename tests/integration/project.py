@@ -13,10 +13,19 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+# Set (by tests/integration/conftest.py's `shared_prefect`) to the API of one Prefect server the module's projects
+# report to, instead of each llmopt command starting (and, in a new project, migrating) an ephemeral one
+SHARED_PREFECT_API = "LLMOPT_TESTS_PREFECT_API_URL"
 
 
-def project_env(root: Path) -> dict[str, str]:
+def project_env(root: Path, ephemeral_prefect: bool = False) -> dict[str, str]:
+    """The environment an llmopt command of the project runs in: none of this process's Prefect or MLflow
+    settings; Prefect's ephemeral server (the user's default) unless the module shares one and not
+    `ephemeral_prefect`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    shared = env.pop(SHARED_PREFECT_API, None)
+    if shared and not ephemeral_prefect:
+        env["PREFECT_API_URL"] = shared
     env.update(
         PATH=f"{BIN}:{env.get('PATH', '')}",
         HF_HUB_OFFLINE="1",
@@ -28,12 +37,17 @@ def project_env(root: Path) -> dict[str, str]:
 
 
 def run(
-    root: Path, *args: str, check: bool = True, timeout: int = 900, env: dict[str, str] | None = None
+    root: Path,
+    *args: str,
+    check: bool = True,
+    timeout: int = 900,
+    env: dict[str, str] | None = None,
+    ephemeral_prefect: bool = False,
 ) -> subprocess.CompletedProcess:
     result = subprocess.run(
         args,
         cwd=root,
-        env={**project_env(root), **(env or {})},
+        env={**project_env(root, ephemeral_prefect), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -278,6 +278,7 @@ def test_every_pre_flight_problem_is_named_at_once_before_anything_starts(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_prefect")
 def test_a_corpus_too_short_for_its_splits_stops_before_anything_is_registered(tmp_path, tiny_model_dir):
     short = tmp_path / "short-corpus"
     short.mkdir()

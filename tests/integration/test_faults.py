@@ -27,7 +27,7 @@ import yaml
 
 from tests.integration.project import ProjectStates, make_project, project_env, remote_of, run, tiny_params
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
 
 VARIANTS_TMPFS_MB = 256
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests.integration.project import make_project, project_env, run, tiny_params
 
+pytestmark = pytest.mark.usefixtures("shared_prefect")
 MODEL = "swap-test"
 
 

@@ -24,7 +24,7 @@ from openai import OpenAI
 
 from tests.integration.project import ProjectStates, make_project, project_env, run, tiny_params
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,7 +42,8 @@ def first_repro(
 ) -> tuple[ProjectStates, subprocess.CompletedProcess]:
     """The tiny project after its first `dvc repro` (kept as state "repro") and what that printed."""
     root = make_project(tmp_path_factory.mktemp("e2e") / "project", tiny_params(tiny_model_dir, corpus_dir))
-    result = run(root, "dvc", "repro")
+    # the default path, Prefect's own ephemeral server included
+    result = run(root, "dvc", "repro", ephemeral_prefect=True)
     states = ProjectStates(root)
     states.save("repro")
     return states, result

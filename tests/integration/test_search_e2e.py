@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
+
 from tests.integration.project import make_project, run, tiny_params
 from tests.integration.test_faults import finish, start
 
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_prefect")]
 SEARCH = {
     "space": {"quantize": {"method": ["torchao_int8_weight_only", "torch_dynamic_int8"]}},
     "window_tokens": 16,
