@@ -1,6 +1,6 @@
 """benchmark: speed and memory of one variant on the target, each variant in a fresh process.
 
-A fresh process per variant makes peak memory honest (no allocator reuse from the previous variant) and keeps
+A fresh process per variant (`fresh_process_context`) makes peak memory honest (no allocator reuse from the previous variant) and keeps
 one variant's caches from warming the next. TTFT is the latency of the prompt's first token (prefill + first
 pick), inside the timed decode call where the engine reports it, else from a one-token call; decode speed is
 batch × (N - 1) / (time for N tokens - TTFT), medians over the repeats, for each configured batch size; end-to-end
@@ -11,7 +11,7 @@ request at a time. Every run goes through the Runtime that evaluation and servin
 from __future__ import annotations
 
 import math
-import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -372,12 +372,14 @@ def benchmark_in_fresh_process(
     target: TargetConfig,
     served: ServedPlan | None = None,
 ) -> BenchmarkResult:
-    """Run `benchmark_variant` in a newly spawned interpreter and return its result."""
-    from tasks.quiet import output_to_log_file
+    """Run `benchmark_variant` in a new process of its own (`fresh_process_context`) and return its result."""
+    from tasks.engines.manifest import read_manifest
+    from tasks.measure.processes import fresh_process_context, take_parents_environment
 
-    spawn = multiprocessing.get_context("spawn")
+    context = fresh_process_context(read_manifest(folder).engine)
     arguments = (str(folder), cfg.model_dump(), prompt_text, target.model_dump(), served)
-    with ProcessPoolExecutor(max_workers=1, mp_context=spawn, initializer=output_to_log_file) as pool:
+    environment = (dict(os.environ),)
+    with ProcessPoolExecutor(1, context, initializer=take_parents_environment, initargs=environment) as pool:
         future = pool.submit(_benchmark_as_dict, *arguments)
         failpoint("benchmark")  # tests: SIGKILL while the benchmark process runs
         result = future.result()

@@ -12,7 +12,7 @@ taken in the child. A child's error comes back as the parent's exception (the en
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -26,14 +26,17 @@ class IsolatedRuntime:
     answered by a child process that holds the variant at `folder`."""
 
     def __init__(self, folder: Path, target: TargetConfig, timeout_s: float = 600.0) -> None:
-        context = multiprocessing.get_context(
-            "spawn"
-        )  # a clean interpreter: nothing of this process's threads
+        from tasks.engines.manifest import read_manifest
+        from tasks.measure.processes import fresh_process_context
+
+        # nothing of this process's threads: a spawned interpreter, or for torch one forked from a server that ran
+        # nothing but its imports
+        context = fresh_process_context(read_manifest(folder).engine)
         self._conn, child = context.Pipe()
         self._timeout_s = timeout_s
         self._process = context.Process(
             target=_serve,
-            args=(child, str(folder), target.model_dump()),
+            args=(child, str(folder), target.model_dump(), dict(os.environ)),
             daemon=True,
             name=f"llmopt-{folder.name}",
         )
@@ -87,12 +90,14 @@ class IsolatedRuntime:
         return value
 
 
-def _serve(conn: Any, folder: str, target: dict[str, Any]) -> None:
+def _serve(conn: Any, folder: str, target: dict[str, Any], environment: dict[str, str]) -> None:
     """The child: load the runtime, then answer calls until told to close (or the parent goes)."""
     from tasks.engines import load_runtime
+    from tasks.measure.processes import take_parents_environment
     from tasks.quiet import quiet_libraries
     from tasks.search.proxies import timed_decode
 
+    take_parents_environment(environment, to_log_file=False)
     quiet_libraries()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes this process
     try:

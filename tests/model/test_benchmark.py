@@ -1,5 +1,7 @@
 """The benchmark on a tiny variant: sane numbers, and memory that belongs to the benchmarked process only."""
 
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +25,7 @@ from tasks.measure.benchmark import (
     trial_spread,
     weight_bytes,
 )
+from tasks.measure.processes import fresh_process_context, take_parents_environment
 
 
 def test_decode_rate_excludes_the_first_token():
@@ -49,6 +52,31 @@ def test_request_set_is_fixed_and_spans_the_prompt_lengths():
 def test_roofline_fraction_is_speed_times_bytes_over_bandwidth():
     assert roofline_fraction(decode_tok_s=100, read_bytes=135_000_000, bandwidth_gbs=27) == pytest.approx(0.5)
     assert percentiles([float(v) for v in range(101)]) == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+
+
+def _environment_variable(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_a_torch_variants_process_is_forked_with_its_parents_environment_of_now_and_the_others_spawned(
+    monkeypatch,
+):
+    assert fresh_process_context("onnx_genai").get_start_method() == "spawn"
+    assert fresh_process_context("llama_cpp").get_start_method() == "spawn"
+    context = fresh_process_context("torch")
+    assert context.get_start_method() == "forkserver"
+
+    def in_a_fresh_process() -> str | None:
+        environment = (dict(os.environ), False)
+        with ProcessPoolExecutor(
+            1, context, initializer=take_parents_environment, initargs=environment
+        ) as pool:
+            return pool.submit(_environment_variable, "LLMOPT_TEST_MARK").result()
+
+    monkeypatch.delenv("LLMOPT_TEST_MARK", raising=False)
+    assert in_a_fresh_process() is None  # the server runs from here on, with the environment of this moment
+    monkeypatch.setenv("LLMOPT_TEST_MARK", "set after the server started")
+    assert in_a_fresh_process() == "set after the server started"
 
 
 def test_fresh_process_reports_its_own_peak_memory_not_the_parents(baseline_dir):
