@@ -20,12 +20,15 @@ from flows.cli.session import CommandSession, console
 from tasks.errors import ConfigError, GateError, RegistryError
 from tasks.params import Config
 
+# What a run imports (the slowest first) while Prefect's temporary server starts: session.flow_run
+RUN_IMPORTS = ("transformers.modeling_utils", "great_expectations", "mlflow", "flows.pipeline")
+
 
 @app.command()
 def run(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Run the whole pipeline: load → optimize → evaluate → benchmark → select → register → promote."""
     with CommandSession(debug) as session:
-        config, root = session.flow_run(params, "run")
+        config, root = session.flow_run(params, "run", imports=RUN_IMPORTS)
         from flows.cluster import on_cluster
         from flows.pipeline import pipeline_flow
 
@@ -56,7 +59,7 @@ def promote(
         if _current_production(config, root, version) == version:
             console.print(f"production is already v{version}; nothing to do")
             return
-        config, root = session.flow_run(params, "promote")
+        config, root = session.flow_run(params, "promote", imports=("flows.pipeline", "mlflow"))
         from flows.cluster import on_cluster
         from flows.pipeline import promote_flow
 
@@ -112,7 +115,7 @@ def bench(
     """Benchmark all variants side by side (batch sizes, TTFT by prompt length, latency percentiles, roofline),
     repeated `--trials` times; writes .llmopt/bench/ (table, CSV, plots, bench.json) and logs an MLflow run."""
     with CommandSession(debug) as session:
-        config, root = session.flow_run(params, "bench")
+        config, root = session.flow_run(params, "bench", imports=("flows.bench", "mlflow"))
         from flows.bench import bench_flow
         from flows.cluster import on_cluster
 
@@ -134,7 +137,7 @@ def bench(
 def prepare(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Materialize the base model folder and the validated calibration/evaluation splits."""
     with CommandSession(debug) as session:
-        config, root = session.flow_run(params, "prepare")
+        config, root = session.flow_run(params, "prepare", imports=("flows.pipeline", "great_expectations"))
         from flows.pipeline import prepare_flow
 
         base, data = prepare_flow(config, root)
@@ -200,7 +203,7 @@ def search(params: ParamsOption = Path("params.yaml"), debug: DebugOption = Fals
     confirmed winner is registered and goes through the champion/challenger gate, as `llmopt promote` (unless
     search.promote is false)."""
     with CommandSession(debug) as session:
-        config, root = session.flow_run(params, "search")
+        config, root = session.flow_run(params, "search", imports=RUN_IMPORTS[:1] + ("flows.search",))
         from flows.search import search_flow
 
         report = search_flow(config, root)

@@ -84,10 +84,16 @@ class CommandSession:
         self._locks.enter_context(project_lock(root / config.project.workdir, f"llmopt {command}", say))
 
     def flow_run(
-        self, params: Path, command: str, extra_checks=(), starts_services: bool = False
+        self,
+        params: Path,
+        command: str,
+        extra_checks=(),
+        starts_services: bool = False,
+        imports: tuple[str, ...] = (),
     ) -> tuple[Config, Path]:
-        """Config, the pre-flight checks (all of them, before Prefect starts), Prefect's home folder, and (unless
-        --debug) the console filtered, everything kept in `.llmopt/logs/<command>-<time>.log`."""
+        """Config, the pre-flight checks (all of them, before Prefect starts), Prefect's home folder, (unless
+        --debug) the console filtered, everything kept in `.llmopt/logs/<command>-<time>.log`, and Prefect's
+        temporary server started while the command's heavy modules (`imports`) load."""
         config, root = self.setup(params)
         from tasks.preflight import preflight
 
@@ -100,6 +106,7 @@ class CommandSession:
             from flows.logs import route_logs
 
             self.log_file = route_logs(root / config.project.workdir, command)
+        _start_prefect_while_importing(imports)
         return config, root
 
     def scheduled(self, params: Path) -> tuple[Config, Path]:
@@ -112,6 +119,34 @@ class CommandSession:
         config, root = self.flow_run(params, "schedule", (_check_schedule,), starts_services=True)
         each_service(config, params, start)
         return config, root
+
+
+def _start_prefect_while_importing(modules: tuple[str, ...]) -> None:
+    """With no Prefect server configured, the flow runs on Prefect's temporary one, whose process takes ~9 s to
+    answer on 2 cores (~27 s in a new project: its database is migrated first) while this one would wait. Start it
+    now from a thread that only waits for it, import `modules` meanwhile, then wait: the flow's client finds that
+    same server (one per process) answering. A server that fails to start fails again, with Prefect's own error,
+    when the flow asks for it."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not modules or PREFECT_API_URL.value():
+        return
+    import importlib
+    import threading
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the instance Prefect's client starts when it needs the API
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            server.start()
+
+    starting = threading.Thread(target=start, name="prefect-server", daemon=True)
+    starting.start()
+    for module in modules:
+        importlib.import_module(module)
+    starting.join()
 
 
 def each_service(config: Config, params: Path, action, last_first: bool = False) -> None:
