@@ -203,7 +203,9 @@ def search(params: ParamsOption = Path("params.yaml"), debug: DebugOption = Fals
     confirmed winner is registered and goes through the champion/challenger gate, as `llmopt promote` (unless
     search.promote is false)."""
     with CommandSession(debug) as session:
-        config, root = session.flow_run(params, "search", imports=RUN_IMPORTS[:1] + ("flows.search",))
+        config, root = session.flow_run(
+            params, "search", imports=("transformers.modeling_utils", "mlflow", "flows.search")
+        )
         from flows.search import search_flow
 
         report = search_flow(config, root)

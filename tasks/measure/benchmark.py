@@ -1,11 +1,12 @@
 """benchmark: speed and memory of one variant on the target, each variant in a fresh process.
 
-A fresh process per variant (`fresh_process_context`) makes peak memory honest (no allocator reuse from the previous variant) and keeps
-one variant's caches from warming the next. TTFT is the latency of the prompt's first token (prefill + first
-pick), inside the timed decode call where the engine reports it, else from a one-token call; decode speed is
-batch × (N - 1) / (time for N tokens - TTFT), medians over the repeats, for each configured batch size; end-to-end
-latency percentiles come from a fixed, seeded request set (prompt lengths spread over the TTFT lengths) served one
-request at a time. Every run goes through the Runtime that evaluation and serving use.
+A fresh process per variant (tasks/measure/processes.py) makes peak memory honest (no allocator reuse from the
+previous variant) and keeps one variant's caches from warming the next. TTFT is the latency of the prompt's
+first token (prefill + first pick), inside the timed decode call where the engine reports it, else from a
+one-token call; decode speed is batch × (N - 1) / (time for N tokens - TTFT), medians over the repeats, for each
+configured batch size; end-to-end latency percentiles come from a fixed, seeded request set (prompt lengths
+spread over the TTFT lengths) served one request at a time. Every run goes through the Runtime that evaluation
+and serving use.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ TORCH_PRELOAD = (
 
 
 def fresh_process_context(engine: str) -> multiprocessing.context.BaseContext:
-    """How a variant's measuring process (the benchmark's, the search's) starts. A torch variant's is forked from one server process per command
-    that imported TORCH_PRELOAD once and ran nothing else (no thread, no model, no allocator state), so it starts
-    where a spawned interpreter would be after those imports, without paying them again for each variant and
-    trial. Every other engine's is spawned: it never imports that code, which would add ~350 MB to its peak."""
+    """How a variant's measuring process (the benchmark's, the search's) starts. A torch variant's is forked from
+    one server process per command that imported TORCH_PRELOAD once and ran nothing else (no thread, no model, no
+    allocator state), so it starts where a spawned interpreter would be after those imports, without paying them
+    again for each variant and trial. Every other engine's is spawned: it never imports that code, which would add
+    ~350 MB to its peak."""
     if engine != "torch":
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")

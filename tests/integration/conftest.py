@@ -4,16 +4,9 @@ project's database is new). The tests of the default path keep the ephemeral ser
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.integration.project import SHARED_PREFECT_API
@@ -23,47 +16,22 @@ STARTUP_TIMEOUT_S = 300  # a new database is migrated first (~20 s on 2 shared c
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`prefect server start` (no UI, no scheduler: nothing here is scheduled on it) in a folder of its own."""
-    home = tmp_path_factory.mktemp("prefect-server")
+    """The Prefect server of `llmopt services up` (infra/prefect-server.sh, started and stopped the way that
+    command does), in a folder of its own, on a free port."""
+    from flows.services import INFRA, Service, start, stop
+
+    folder = tmp_path_factory.mktemp("prefect-server")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env |= {
-        "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
-        "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "1",
-    }
-    command = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
-    command += ["--no-scheduler", "--no-late-runs", "--analytics-off"]
-    log = home / "server.log"
-    server = subprocess.Popen(command, cwd=home, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/api"
+    api = f"http://127.0.0.1:{port}/api"
+    env = {"PREFECT_HOME": str(folder / "prefect"), "PREFECT_PORT": str(port)}
+    server = Service("prefect-server", INFRA / "prefect-server.sh", f"{api}/health", env, folder)
+    start(server, timeout_s=STARTUP_TIMEOUT_S)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _healthy(url):
-            assert server.poll() is None, (
-                f"the Prefect server exited ({server.returncode}):\n{log.read_text()}"
-            )
-            assert time.monotonic() < deadline, (
-                f"no Prefect server after {STARTUP_TIMEOUT_S} s:\n{log.read_text()}"
-            )
-            time.sleep(0.2)  # polling its health endpoint, bounded by the deadline
-        yield url
+        yield api
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _healthy(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    return False
+        stop(server)
 
 
 @pytest.fixture(scope="module")
