@@ -12,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("tasks", "flows", "serving", "infra")
-GROUND_FLOOR = {"tasks.schema", "tasks.errors"}  # all tasks/config.py may import of the project
+# all tasks/config.py may import of the project (config_serving: its serving sections, on the same floor)
+GROUND_FLOOR = {"tasks.schema", "tasks.errors", "tasks.config_serving"}
 
 
 def project_modules() -> dict[str, Path]:
