@@ -11,7 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ class Service:
     health_url: str  # answers 200 when the service is ready
     env: dict[str, str]  # added to the environment of the script
     folder: Path  # log, pid file and data
+    after: tuple[str, ...] = ()  # the services that must answer before this one starts (and stop after it)
 
     @property
     def pid_file(self) -> Path:
@@ -64,7 +67,13 @@ def configured_services(config: Config, root: Path) -> list[Service]:
     if config.services.prefect_database_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = config.services.prefect_database_url
     api = prefect_api_url(config)
-    services = [Service("prefect-server", INFRA / "prefect-server.sh", f"{api}/health", env, folder)]
+    # a configured Prefect database may be the stack's PostgreSQL
+    database = (
+        ("postgres",) if config.services.prefect_database_url and config.services.tracking_stack else ()
+    )
+    services = [
+        Service("prefect-server", INFRA / "prefect-server.sh", f"{api}/health", env, folder, database)
+    ]
     services += _workers(config, folder)
     if not config.services.tracking_stack:
         return services
@@ -85,6 +94,7 @@ def configured_services(config: Config, root: Path) -> list[Service]:
             f"http://127.0.0.1:{cfg.mlflow_port}/health",
             stack_env,
             folder,
+            ("postgres", "s3"),
         ),
         *services,
     ]
@@ -104,7 +114,12 @@ def _workers(config: Config, folder: Path) -> list[Service]:
         }
         services.append(
             Service(
-                "prefect-worker", INFRA / "prefect-worker.sh", f"http://127.0.0.1:{port}/health", env, folder
+                "prefect-worker",
+                INFRA / "prefect-worker.sh",
+                f"http://127.0.0.1:{port}/health",
+                env,
+                folder,
+                ("prefect-server",),
             )
         )
     if cfg.dask_workers:
@@ -120,8 +135,67 @@ def _workers(config: Config, folder: Path) -> list[Service]:
             "DASK_RESOURCES": "benchmark=1" if index == 0 else "",
         }
         health = f"http://127.0.0.1:{port}/health"
-        services.append(Service(f"dask-worker-{index}", INFRA / "dask-worker.sh", health, env, folder))
+        services.append(
+            Service(
+                f"dask-worker-{index}", INFRA / "dask-worker.sh", health, env, folder, ("dask-scheduler",)
+            )
+        )
     return services
+
+
+def start_all(services: list[Service], report: Callable[[str], None]) -> None:
+    """Start every service, each as soon as those it comes `after` answer: independent ones start together (each
+    spends seconds importing its server, mostly on one core). `report` gets each one's line as it is done; a service
+    whose dependency failed is not started; the failures are raised together at the end."""
+    _in_dependency_order(services, start, lambda service: service.after, "not started", report)
+
+
+def stop_all(services: list[Service], report: Callable[[str], None]) -> None:
+    """Stop every service, each once those that come `after` it are stopped (a worker before its server)."""
+    names = {service.name for service in services}
+    dependents = {name: tuple(s.name for s in services if name in s.after) for name in names}
+    _in_dependency_order(services, stop, lambda service: dependents[service.name], "", report)
+
+
+def _in_dependency_order(
+    services: list[Service],
+    action: Callable[[Service], str],
+    waits_for: Callable[[Service], tuple[str, ...]],
+    skipped: str,
+    report: Callable[[str], None],
+) -> None:
+    names = {service.name for service in services}
+    done = {name: threading.Event() for name in names}
+    failed: list[str] = []
+    errors: list[Exception] = []
+
+    def work(service: Service) -> None:
+        first = [name for name in waits_for(service) if name in names]
+        for name in first:
+            done[name].wait()
+        broken = [name for name in first if name in failed]
+        try:
+            if broken and skipped:
+                failed.append(service.name)
+                report(f"{service.name}: {skipped} ({', '.join(broken)} failed)")
+            else:
+                report(action(service))
+        except Exception as exc:  # raised below, in this thread's caller
+            failed.append(service.name)
+            errors.append(exc)
+        finally:
+            done[service.name].set()
+
+    threads = [threading.Thread(target=work, args=(s,), name=s.name, daemon=True) for s in services]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if not isinstance(error, ServiceError):
+            raise error  # a defect, with its traceback
+    if errors:
+        raise ServiceError("; ".join(str(error) for error in errors))
 
 
 def healthy(service: Service) -> bool:
@@ -235,3 +309,9 @@ def status(service: Service) -> str:
             f" (pid {pid})" if pid else " (not started by llmopt)"
         )
     return f"{service.name}: " + (f"process {pid} runs but does not answer" if pid else "down")
+
+
+def status_all(services: list[Service], report: Callable[[str], None]) -> None:
+    """Each service's status line, in the configured order."""
+    for service in services:
+        report(status(service))

@@ -23,27 +23,27 @@ app.add_typer(services_app, name="services")
 def services_up(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Start the configured services in the background (no-op for those already up) and wait until they answer."""
     with CommandSession(debug) as session:
-        from flows.services import start
+        from flows.services import start_all
 
-        each_service(load_config(params, session.notice), params, start)
+        each_service(load_config(params, session.notice), params, start_all)
 
 
 @services_app.command("down")
 def services_down(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Stop the services llmopt started (their data stays under project.workdir/services)."""
     with CommandSession(debug) as session:
-        from flows.services import stop
+        from flows.services import stop_all
 
-        each_service(load_config(params, session.notice), params, stop, last_first=True)
+        each_service(load_config(params, session.notice), params, stop_all)
 
 
 @services_app.command("status")
 def services_status(params: ParamsOption = Path("params.yaml"), debug: DebugOption = False) -> None:
     """Whether each configured service is up and answering."""
     with CommandSession(debug) as session:
-        from flows.services import status
+        from flows.services import status_all
 
-        each_service(load_config(params, session.notice), params, status)
+        each_service(load_config(params, session.notice), params, status_all)
 
 
 @app.command()

@@ -112,12 +112,12 @@ class CommandSession:
     def scheduled(self, params: Path) -> tuple[Config, Path]:
         """Prefect pointed at the Prefect server (before Prefect is first imported: it reads its settings once),
         the pre-flight checks (the schedule's too), then the services up."""
-        from flows.services import prefect_api_url, start
+        from flows.services import prefect_api_url, start_all
 
         os.environ["PREFECT_API_URL"] = prefect_api_url(load_config(params, notice=lambda _line: None))
         os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # seconds between looks for due runs
         config, root = self.flow_run(params, "schedule", (_check_schedule,), starts_services=True)
-        each_service(config, params, start)
+        each_service(config, params, start_all)
         return config, root
 
 
@@ -149,13 +149,14 @@ def _start_prefect_while_importing(modules: tuple[str, ...]) -> None:
     starting.join()
 
 
-def each_service(config: Config, params: Path, action, last_first: bool = False) -> None:
-    """Apply `action` (start, stop, status) to every configured service and print its one-line answer."""
+def each_service(config: Config, params: Path, action) -> None:
+    """Apply `action` (start_all, stop_all, status_all) to the configured services, printing each one's line."""
     from flows.services import configured_services
 
-    services = configured_services(config, params.resolve().parent)
-    for service in reversed(services) if last_first else services:
-        console.print(action(service), soft_wrap=True, highlight=False)
+    action(
+        configured_services(config, params.resolve().parent),
+        lambda line: console.print(line, soft_wrap=True, highlight=False),
+    )
 
 
 def _check_schedule(config: Config) -> None:

@@ -1,12 +1,14 @@
-"""Scale-out by configuration alone: `llmopt services up` starts PostgreSQL, S3 (moto), the MLflow server, the
-Prefect server, a Prefect worker on a work pool and a Dask scheduler with 2 workers; `llmopt schedule --once` runs
-the pipeline as a deployment on that pool, its tasks fanned out over Dask, the bytes through the S3 store. Then a
-Dask worker is SIGKILLed mid-build: the run still completes, with no second model version and no half-written
-variant used."""
+"""Tracking stack and scale-out by configuration alone: `llmopt services up` starts PostgreSQL, S3 (moto), the
+MLflow server on both, the Prefect server, a Prefect worker on a work pool and a Dask scheduler with 2 workers;
+`llmopt schedule --once` runs the pipeline as a deployment on that pool, its tasks fanned out over Dask, the bytes
+through the S3 store; runs, metrics and the registry land in PostgreSQL, artifacts in the bucket, and DVC pushes the
+weights there. Then a Dask worker is SIGKILLed mid-build: the run still completes, with no second model version and
+no half-written variant used. `services down` stops every service. (One stack for all: each start costs a minute.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import socket
@@ -19,10 +21,40 @@ import yaml
 
 from tasks.report.timeline import Span, overlapping
 from tests.integration.project import make_project, project_env, run, tiny_params
-from tests.integration.test_tracking_stack import S3_CREDENTIALS, _boto, _output, stack_params
 
 pytestmark = pytest.mark.slow
 POOL = "llmopt-test"
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "llmopt",
+    "AWS_SECRET_ACCESS_KEY": "llmopt",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+def stack_params(model: Path, corpus: Path, pg_parent: Path, prefect_port: int, **overrides) -> dict:
+    """The tiny project's params with the tracking stack on free ports (`overrides`: more sections or services)."""
+    postgres, s3, mlflow = _free_ports(3)
+    services = {
+        "tracking_stack": True,
+        "postgres_port": postgres,
+        "s3_port": s3,
+        "mlflow_port": mlflow,
+        "prefect_port": prefect_port,
+        "postgres_data": str(pg_parent / "data"),
+        **overrides.pop("services", {}),
+    }
+    tracking = {"uri": f"http://127.0.0.1:{mlflow}", "artifacts": "mlflow-artifacts:/llmopt"}
+    return tiny_params(model, corpus, services=services, tracking=tracking, **overrides)
 
 
 def _free_block(size: int) -> int:
@@ -99,27 +131,36 @@ def test_a_deployment_on_the_work_pool_fans_out_over_dask_and_records_in_postgre
     assert sorted(s.name for s in spans if s.kind == "benchmark") == sorted(params["variants"])
     assert overlapping(spans) == []  # no task ran on the machine while a benchmark did
 
-    login = _postgres_login(params)
-    with psycopg.connect(login) as db:
+    ports = params["services"]
+    assert oct(Path(ports["postgres_data"] + ".password").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(psycopg.OperationalError):  # no login without the password
+        psycopg.connect(f"postgresql://postgres@127.0.0.1:{ports['postgres_port']}/mlflow", connect_timeout=5)
+    with psycopg.connect(_postgres_login(params)) as db:
         statuses = dict(db.execute("select status, count(*) from runs group by status").fetchall())
+        kinds = db.execute("select value from tags where key = 'llmopt.kind'").fetchall()
         versions = db.execute("select name, version from model_versions").fetchall()
         aliases = dict(db.execute("select alias, version from registered_model_aliases").fetchall())
         metric = db.execute("select count(*) from metrics where key = 'decode_tok_s'").fetchone()[0]
     variants = len(params["variants"])
-    assert statuses == {"FINISHED": 1 + variants}
+    assert statuses == {"FINISHED": 1 + variants}  # the parent run and one nested run per variant
+    assert sorted(kind for (kind,) in kinds) == ["pipeline"] + ["variant"] * variants
     assert versions == [("tiny-test", 1)] and aliases == {"candidate": 1, "production": 1}
     assert metric == variants
+    assert not (root / "mlflow.db").exists() and not (root / "mlruns").exists()  # nothing embedded
 
     s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], **_boto(S3_CREDENTIALS))
     artifacts = [o["Key"] for o in s3.list_objects_v2(Bucket="llmopt-mlflow").get("Contents", [])]
-    assert any(key.endswith("reports/timeline.png") for key in artifacts), artifacts[:20]
+    for artifact in ("reports/timeline.png", "report.html", "onnx_int8/model.onnx.data"):
+        assert any(key.endswith(artifact) for key in artifacts), (artifact, artifacts[:20])
     stored = [o["Key"] for o in s3.list_objects_v2(Bucket="llmopt-dvc", Prefix="store/").get("Contents", [])]
     indexes = [key for key in stored if key.endswith("/llmopt-files.json")]
     assert len(indexes) == 2 + variants  # base model, data splits and every variant, once each
 
     # the variants the workers built are byte-identical to a build on this machine, in one process
     single = make_project(root.parent / "single", tiny_params(*_sources(params)), with_dvc=False)
-    run(single, "llmopt", "run")
+    run(
+        single, "llmopt", "run", env={"PREFECT_API_URL": _prefect_api(params)}
+    )  # the stack's server: up already
     for name in params["variants"]:
         here = json.loads((single / f".llmopt/variants/{name}/manifest.json").read_text())["content_hash"]
         there = json.loads(
@@ -130,6 +171,7 @@ def test_a_deployment_on_the_work_pool_fans_out_over_dask_and_records_in_postgre
     # what the flow machine kept is versioned with DVC and pushed to the S3 remote
     run(root, "dvc", "commit", "-f", env=env)
     run(root, "dvc", "push", env=env)
+    assert "in sync" in run(root, "dvc", "status", "--cloud", env=env).stdout
     pushed = s3.list_objects_v2(Bucket="llmopt-dvc", Prefix="cache/").get("Contents", [])
     assert len(pushed) >= 10, pushed
 
@@ -146,7 +188,7 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
 
     root, params, env = cluster
     # a remote cluster reports to a Prefect server its workers reach (pre-flight refuses it without one)
-    env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{params['services']['prefect_port']}/api"}
+    env = {**env, "PREFECT_API_URL": _prefect_api(params)}
     marker = tmp_path / "killed"
     fresh = {
         "worker_dir": str(tmp_path / "workers"),
@@ -183,6 +225,8 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
     assert marker.exists()  # a worker was killed mid-build
     assert restarts, "the killed worker was not noticed"
     assert "production unchanged" in result.stdout + result.stderr  # same bytes as v1: nothing new
+    mlflow_ui = f"http://127.0.0.1:{params['services']['mlflow_port']}/#/experiments/"
+    assert mlflow_ui in result.stdout + result.stderr  # the run links to the tracking server's own UI
     with psycopg.connect(_postgres_login(params)) as db:
         assert db.execute("select count(*) from model_versions").fetchone()[0] == 1
     spans = _timeline(root)
@@ -200,6 +244,18 @@ def test_a_worker_killed_mid_build_costs_a_retry_not_the_run(cluster, monkeypatc
         store.get(key, tmp_path / "check" / key)
 
 
+def test_services_down_stops_every_service_it_started(cluster):
+    root, params, env = cluster
+    run(root, "llmopt", "services", "up", timeout=300, env=env)  # a no-op when the tests above left them up
+    down = _output(run(root, "llmopt", "services", "down", env=env))
+    for service in ("postgres", "s3", "mlflow-server", "prefect-server", "prefect-worker", "dask-scheduler"):
+        assert f"{service}: stopped" in down, down
+    for port in ("postgres_port", "s3_port", "mlflow_port", "prefect_port"):
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", params["services"][port]), timeout=2).close()
+    assert not any(os.path.exists(p) for p in (root / ".llmopt/services").glob("*.pid"))
+
+
 def _timeline(root: Path) -> list[Span]:
     return [Span(**span) for span in json.loads((root / ".llmopt/reports/timeline.json").read_text())]
 
@@ -212,3 +268,19 @@ def _postgres_login(params: dict) -> str:
 
 def _sources(params: dict) -> tuple[Path, Path]:
     return Path(params["model"]["source"]), Path(params["data"]["source"])
+
+
+def _prefect_api(params: dict) -> str:
+    return f"http://127.0.0.1:{params['services']['prefect_port']}/api"
+
+
+def _output(result) -> str:
+    return result.stdout + result.stderr
+
+
+def _boto(credentials: dict[str, str]) -> dict[str, str]:
+    return {
+        "aws_access_key_id": credentials["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": credentials["AWS_SECRET_ACCESS_KEY"],
+        "region_name": credentials["AWS_DEFAULT_REGION"],
+    }
