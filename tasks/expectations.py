@@ -68,6 +68,30 @@ def validate_corpus_splits(splits: dict[str, list[str]], min_words: int) -> None
         raise DataValidationError(f"data validation failed: {failures[0]}" + _more(failures))
 
 
+def validate_long_documents(documents: list[tuple[str, str]], count: int, min_words: int) -> None:
+    """As many documents as configured, each at least `min_words` words, no name or text twice."""
+    import great_expectations as gx
+    import pandas as pd
+
+    rows = [{"name": name, "text": text, "words": len(text.split())} for name, text in documents]
+    frame = pd.DataFrame(rows, columns=["name", "text", "words"])
+    failures = run_suite(
+        "long-documents",
+        frame,
+        [
+            gx.expectations.ExpectTableRowCountToEqual(value=count),
+            gx.expectations.ExpectColumnValuesToBeBetween(column="words", min_value=min_words),
+            gx.expectations.ExpectColumnValuesToBeUnique(column="name"),
+            gx.expectations.ExpectColumnValuesToBeUnique(column="text"),
+        ],
+    )
+    if failures:
+        raise DataValidationError(
+            f"long_context: the documents failed validation ({count} of at least {min_words} words wanted, the "
+            f"longest window): {failures[0]}" + _more(failures)
+        )
+
+
 def _more(failures: list[str]) -> str:
     return f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
 

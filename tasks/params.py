@@ -16,6 +16,7 @@ from tasks.config import (
     DataConfig,
     EvaluateConfig,
     LoadtestConfig,
+    LongContextConfig,
     ModelConfig,
     ProjectConfig,
     RuntimeSettings,
@@ -158,6 +159,9 @@ class Config(Strict):
     services: ServicesConfig = ServicesConfig()
     cluster: ClusterConfig = ClusterConfig()
     search: SearchConfig = SearchConfig()  # `llmopt search` (docs/search.md)
+    long_context: LongContextConfig | None = (
+        None  # accuracy at long context (docs/long-context.md); off: absent
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -44,6 +44,8 @@ def preflight(
         lambda: check_disk_space(config, root),
         lambda: check_cluster(config, reach=not (starts_services and config.services.dask_workers)),
     ]
+    if config.long_context:
+        checks.append(lambda: check_long_documents(config, root / config.project.downloads))
     if config.evaluate.lm_eval_tasks:
         from tasks.measure.lm_eval_adapter import require_lm_eval
 
@@ -81,6 +83,17 @@ def check_data_source(cfg: DataConfig, downloads: Path) -> None:
                 f"data.source: {cfg.source} holds no text files ({', '.join(LOCAL_SUFFIXES)}) and is not a .jsonl file"
             )
         read_local(Path(cfg.source), cfg.text_column)  # every file decodes (one bad file is named)
+
+
+def check_long_documents(config: Config, downloads: Path) -> None:
+    """`long_context`'s source is there (a length longer than the model's positions is named when measured)."""
+    from tasks.inputs.long_documents import KJV, KJV_SDIST
+
+    cfg = config.long_context
+    if cfg.source == KJV and not (downloads / KJV_SDIST).is_file():
+        raise ConfigError(f"long_context.source: kjv needs {downloads / KJV_SDIST}; run `make corpus`")
+    if cfg.source != KJV and not Path(cfg.source).exists():
+        raise ConfigError(f"long_context.source: {cfg.source} does not exist")
 
 
 def check_tracking(cfg: TrackingConfig, root: Path, reach: bool = True) -> None:

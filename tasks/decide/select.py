@@ -11,6 +11,13 @@ from dataclasses import asdict, dataclass, field, replace
 from tasks.config import SelectConfig
 from tasks.decide.accuracy import check_accuracy
 from tasks.decide.frontier import Objective, pareto_frontier
+from tasks.decide.long_context import (
+    length_cell,
+    length_metrics,
+    length_ratios,
+    length_scores,
+    longest_measured,
+)
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ComparisonError
 from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
@@ -49,6 +56,7 @@ class VariantScore:
     # served capacity through the real scheduler, per client count (empty: not measured, e.g. short, peer)
     served: tuple[LevelResult, ...] = ()
     peak_gpu_mb: float | None = None  # on a cuda target: the benchmark's peak of GPU memory allocated
+    long_context: tuple = ()  # tail perplexity by window length (tasks/decide/long_context.py; empty: not measured)
 
     @property
     def memory_mb(self) -> float:
@@ -102,6 +110,7 @@ def variant_score(
         speculation=tuple(bench.speculation or ()),
         served=tuple(bench.served or ()),
         peak_gpu_mb=bench.peak_gpu_mb,
+        long_context=length_scores(evaluation),
     )
 
 
@@ -119,6 +128,7 @@ class LeaderboardRow:
         str, ...
     ] = ()  # why the row cannot win: accuracy budget, constraints (empty: it qualifies)
     on_frontier: bool = False  # no other variant is as accurate, as fast (objective) and as small, and better
+    long_context: tuple = ()  # per window length: perplexity, ratio to the baseline's and its interval
 
     @property
     def qualifies(self) -> bool:
@@ -188,6 +198,7 @@ class Leaderboard:
                 "peak_rss_mb": round(row.score.peak_rss_mb, 1),
                 **({} if row.score.peak_gpu_mb is None else {"peak_gpu_mb": round(row.score.peak_gpu_mb, 1)}),
                 "on_frontier": int(row.on_frontier),
+                **length_metrics(row.long_context),
             }
             for row in self.rows
         }
@@ -274,10 +285,12 @@ def table_columns(board: Leaderboard) -> list[str]:
     top = max((r.score.top_batch()[0] for r in board.rows), default=1)
     clients = served_top(board)
     served = [] if clients is None else [f"c{clients} tok/s", f"c{clients} TTFT p95"]
+    longest = longest_measured(board.rows)
     return [
         "variant",
         "perplexity",
         "ppl × (CI)",
+        *([] if longest is None else [f"ppl@{longest} × (CI)"]),
         "agree %",
         "cloze (p)",
         "tok/s bs1",
@@ -300,7 +313,7 @@ def _on_gpu(board: Leaderboard) -> bool:
 def table_cells(board: Leaderboard) -> list[list[str]]:
     """Formatted cells of every row, shared by the terminal, markdown and CSV renderings."""
     cells, columns_top = [], max((r.score.top_batch()[0] for r in board.rows), default=1)
-    clients, gpu = served_top(board), _on_gpu(board)
+    clients, gpu, longest = served_top(board), _on_gpu(board), longest_measured(board.rows)
     for row in board.rows:
         s = row.score
         mark = (" ★" if s.variant == board.winner else "") + (" ◆" if row.on_frontier else "")
@@ -312,6 +325,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 s.variant + mark,
                 f"{s.perplexity:.2f}",
                 f"{row.ppl_ratio:.3f} ({row.ppl_ratio_low:.3f}–{row.ppl_ratio_high:.3f})",
+                *([] if longest is None else [length_cell(row.long_context, longest)]),
                 f"{s.token_agreement:.0%}",
                 f"{s.cloze_accuracy:.0%} (p={row.cloze_p_value:.2f})",
                 f"{s.decode_tok_s:.1f}",
@@ -425,6 +439,7 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
         speedup=speedup,
         within_budget=within_budget,
         failures=tuple(failures + constraint_failures(score, speedup, cfg)),
+        long_context=length_ratios(score.long_context, base.long_context, cfg),
     )
 
 

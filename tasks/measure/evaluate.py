@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.config import EvaluateConfig, TargetConfig
+from tasks.config import EvaluateConfig, LongContextConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import DataValidationError
@@ -24,6 +24,7 @@ from tasks.local_files import code_sha256, staged_file
 # What an evaluation's numbers depend on besides the bytes and the text: this module and every engine.
 MEASURING_MODULES = (
     "tasks.measure.evaluate",
+    "tasks.measure.long_context",
     "tasks.measure.lm_eval_adapter",
     "tasks.engines",
     "tasks.weights",
@@ -90,6 +91,13 @@ class VariantEvaluation:
     continuations: list[list[int]]
     cloze: ClozeResult
     lm_eval: dict[str, float] = field(default_factory=dict)  # '<task>.<metric>' from lm-eval, when configured
+    long_context: dict[str, PerplexityResult] = field(
+        default_factory=dict
+    )  # by window length, when configured
+
+
+# The long-context settings and the documents they are measured on (`long_context:` set), or None
+LongContext = tuple[LongContextConfig, list[tuple[str, str]]] | None
 
 
 def agreement_prompts(runtime: Runtime, texts: list[str], cfg: EvaluateConfig) -> list[list[int]]:
@@ -120,8 +128,10 @@ def evaluate_variant(
     cfg: EvaluateConfig,
     reference: list[list[int]] | None,
     progress: Callable[[int, int], None] | None = None,
+    long_context: LongContext = None,
 ) -> VariantEvaluation:
-    """Perplexity plus greedy agreement with `reference` (the baseline's continuations; None for the baseline)."""
+    """Perplexity plus greedy agreement with `reference` (the baseline's continuations; None for the baseline);
+    the tail perplexity at each long-context length when `long_context` is given."""
     perplexity = evaluate_perplexity(runtime, texts, cfg, progress)
     prompts = agreement_prompts(runtime, texts, cfg)
     continuations = runtime.generate(prompts, cfg.agreement_new_tokens, stop_at_eos=False)
@@ -137,7 +147,26 @@ def evaluate_variant(
         from tasks.measure.lm_eval_adapter import run_lm_eval
 
         harness = run_lm_eval(runtime, cfg.lm_eval_tasks, cfg.lm_eval_limit)
-    return VariantEvaluation(perplexity, agreement, continuations, cloze, harness)
+    at_length = {}
+    if long_context:
+        at_length = evaluate_long_context(runtime, long_context, progress)
+    return VariantEvaluation(perplexity, agreement, continuations, cloze, harness, at_length)
+
+
+def evaluate_long_context(
+    runtime: Runtime,
+    long_context: tuple[LongContextConfig, list[tuple[str, str]]],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, PerplexityResult]:
+    """The tail perplexity at each long-context length (keyed by the length as text, as JSON keeps it), a window
+    per document (tasks/measure/long_context.py)."""
+    from tasks.measure.long_context import tail_losses
+
+    cfg, documents = long_context
+    return {
+        str(length): PerplexityResult(perplexity_from_losses(nll, counts), sum(counts), nll, counts)
+        for length, (nll, counts) in tail_losses(runtime, documents, cfg, progress).items()
+    }
 
 
 @dataclass(frozen=True)
@@ -187,6 +216,7 @@ def evaluation_key(
     reference: list[list[int]] | None,
     device: str = "cpu",
     tensor_parallel: int = 1,
+    long_context: LongContext = None,
 ) -> str:
     """Identity of an evaluation: same model (bytes and runtime settings), evaluation text, settings, reference,
     device (a GPU's kernels round differently), ranks (a split model sums in another order) and measuring code."""
@@ -201,10 +231,22 @@ def evaluation_key(
         "reference": reference,
         "device": device,
         **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}),  # unsplit keys as before
+        **({"long_context": _long_context_identity(long_context)} if long_context else {}),
         "code": code_sha256(MEASURING_MODULES),
         "versions": [metadata.version(p) for p in ("torch", "transformers", "onnxruntime-genai")],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _long_context_identity(long_context: tuple[LongContextConfig, list[tuple[str, str]]]) -> dict:
+    import hashlib
+
+    settings, documents = long_context
+    text = "\0".join(f"{name}\0{body}" for name, body in documents)
+    return {
+        "settings": settings.model_dump(mode="json"),
+        "documents": hashlib.sha256(text.encode()).hexdigest(),
+    }
 
 
 def save_evaluation(path: Path, key: str, evaluation: VariantEvaluation) -> None:
@@ -231,6 +273,7 @@ def load_evaluation(path: Path, key: str) -> VariantEvaluation | None:
             data["continuations"],
             ClozeResult(**data["cloze"]),
             data.get("lm_eval", {}),
+            {length: PerplexityResult(**r) for length, r in data.get("long_context", {}).items()},
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -245,15 +288,18 @@ def evaluate_or_reuse(
     saved: Path,
     target: TargetConfig,
     progress: Callable[[int, int], None] | None = None,
+    long_context: LongContext = None,
 ) -> tuple[VariantEvaluation, bool]:
     """(evaluation, reused): the evaluation saved in `saved` when its key (bytes, text, settings, reference,
     measuring code) still matches, else a fresh one through the variant's Runtime, saved for next time."""
-    key = evaluation_key(manifest.model_hash, texts, cfg, reference, target.device, target.tensor_parallel)
+    key = evaluation_key(
+        manifest.model_hash, texts, cfg, reference, target.device, target.tensor_parallel, long_context
+    )
     previous = load_evaluation(saved, key)
     if previous is not None:
         return previous, True
     runtime = load_runtime(folder, target)
-    evaluation = evaluate_variant(runtime, texts, cfg, reference, progress)
+    evaluation = evaluate_variant(runtime, texts, cfg, reference, progress, long_context)
     failpoint("evaluate")  # tests: SIGKILL with the evaluation measured, not yet saved
     save_evaluation(saved, key, evaluation)
     return evaluation, False

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tasks.config import TrackingConfig
+from tasks.decide.long_context import length_metrics
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import exception_chain
@@ -348,6 +349,7 @@ def log_reports(
             "cloze_p_value": row.cloze_p_value,
             "cloze_delta": row.cloze_delta,
             "within_budget": float(row.within_budget),
+            **length_metrics(row.long_context),
         }
         metrics = [Metric(k, float(v), 0, 0) for k, v in comparison.items()]
         client.log_batch(variant_runs[row.score.variant], metrics=metrics)

@@ -94,6 +94,7 @@ def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
             "max_new_tokens": 256,
         },
         "slo": None,
+        "long_context": None,
         "target": {"threads": 1},
         "select": {"max_ppl_increase": 0.5},
         "variants": {
@@ -104,7 +105,7 @@ def tiny_params(model_dir: Path, corpus_dir: Path, **overrides: dict) -> dict:
         },
     }
     for section, values in overrides.items():
-        params[section] = {**params.get(section, {}), **values} if isinstance(values, dict) else values
+        params[section] = {**(params.get(section) or {}), **values} if isinstance(values, dict) else values
     return params
 
 

