@@ -23,6 +23,9 @@ run: install corpus ## install if needed, reproduce the pipeline with DVC, push 
 	dvc push --quiet
 	@echo "Next: 'make ui' (MLflow UI on :5000) or 'make serve' (OpenAI-style server on :8000)."
 
+# Two test processes, a test module each at a time (pytest-xdist): the suite keeps ~1.3 of 2 cores busy alone (its
+# commands wait on imports, servers and subprocesses); no test asserts a speed, and a module's tests share its state
+PARALLEL := -n 2 --dist loadfile
 # torch's kernels on a second instruction set for the tests marked `numerics` (AVX-512 -> AVX2, AVX2 -> none):
 # a bound that holds on one CPU class only fails here, not on the next developer's machine
 SECOND_ISA = $$($(BIN)/python -c "import torch; print('avx2' if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 'default')")
@@ -31,12 +34,12 @@ test: install ## lint, the strict docs build, and the whole test suite (unit, da
 	ruff check .
 	ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
-	pytest
+	pytest $(PARALLEL)
 	isa=$(SECOND_ISA); echo "numerics tests again with ATEN_CPU_CAPABILITY=$$isa"; \
-	  ATEN_CPU_CAPABILITY=$$isa pytest -q -m numerics --durations=5 tests/model
+	  ATEN_CPU_CAPABILITY=$$isa pytest $(PARALLEL) -q -m numerics --durations=5 tests/model
 
 test-fast: install ## the suite without the slow end-to-end tests
-	pytest -m "not slow"
+	pytest $(PARALLEL) -m "not slow"
 
 docs: install ## build the documentation strictly (mkdocs build --strict) into .llmopt/site
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
