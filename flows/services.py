@@ -165,6 +165,7 @@ def _in_dependency_order(
     report: Callable[[str], None],
 ) -> None:
     names = {service.name for service in services}
+    _check_acyclic(services, waits_for)
     done = {name: threading.Event() for name in names}
     failed: list[str] = []
     errors: list[Exception] = []
@@ -196,6 +197,21 @@ def _in_dependency_order(
             raise error  # a defect, with its traceback
     if errors:
         raise ServiceError("; ".join(str(error) for error in errors))
+
+
+def _check_acyclic(services: list[Service], waits_for: Callable[[Service], tuple[str, ...]]) -> None:
+    """No service waits, through others, for itself (each would wait forever)."""
+    by_name = {service.name: service for service in services}
+    settled: set[str] = set()
+    while len(settled) < len(by_name):
+        ready = [
+            name
+            for name, service in by_name.items()
+            if name not in settled and all(n in settled or n not in by_name for n in waits_for(service))
+        ]
+        if not ready:
+            raise ServiceError(f"services wait for each other: {', '.join(sorted(set(by_name) - settled))}")
+        settled.update(ready)
 
 
 def healthy(service: Service) -> bool:

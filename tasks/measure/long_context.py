@@ -20,6 +20,7 @@ from tasks.engines import Runtime
 from tasks.errors import DataValidationError
 
 SLICE_TOKENS = 1024  # context tokens per engine call (bounds the activations of one call)
+ROWS = 64  # tail rows of logits per log-softmax
 
 
 def tail_windows(ids: list[int], cfg: LongContextConfig) -> dict[int, list[int]]:
@@ -35,11 +36,14 @@ def tail_nll(runtime: Runtime, window: list[int], tail: int) -> tuple[float, int
     sequence = runtime.sequence(len(window))
     for start in range(0, context - 1, SLICE_TOKENS):
         sequence.extend(window[start : min(start + SLICE_TOKENS, context - 1)], every=False)
-    logits = np.asarray(sequence.extend(window[context - 1 : -1], every=True), dtype=np.float64)
-    targets = np.asarray(window[context:])
-    peak = logits.max(axis=1, keepdims=True)
-    log_norm = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
-    return float((log_norm - logits[np.arange(tail), targets]).sum()), tail
+    logits = sequence.extend(window[context - 1 : -1], every=True)
+    targets, total = window[context:], 0.0
+    for start in range(0, tail, ROWS):  # a float64 copy of a few rows at a time, not of tail x vocabulary
+        rows = np.asarray(logits[start : start + ROWS], dtype=np.float64)
+        peak = rows.max(axis=1, keepdims=True)
+        log_norm = np.log(np.exp(rows - peak).sum(axis=1)) + peak[:, 0]
+        total += float((log_norm - rows[np.arange(len(rows)), targets[start : start + ROWS]]).sum())
+    return total, tail
 
 
 def tail_losses(

@@ -17,6 +17,7 @@ from tasks.inputs.long_documents import (
     FILE,
     KJV_MEMBER,
     KJV_SDIST,
+    check_positions,
     choose_documents,
     prepare_long_documents,
     read_kjv,
@@ -70,8 +71,22 @@ def test_too_few_long_documents_fail_validation_and_write_nothing(tmp_path):
     ):
         prepare_long_documents(cfg, tmp_path, tmp_path / "data")
     assert not (tmp_path / "data" / FILE).exists()
-    written = prepare_long_documents(cfg.model_copy(update={"documents": 2}), tmp_path, tmp_path / "data")
+    two = cfg.model_copy(update={"documents": 2})
+    written = prepare_long_documents(two, tmp_path, tmp_path / "data")
     assert read_prepared(tmp_path / "data") == written and {n for n, _ in written} == {"Genesis", "Exodus"}
+    # unchanged source and settings: kept as written (not read, chosen or validated again); changed: written anew
+    stamp = (tmp_path / "data" / FILE).stat().st_mtime_ns
+    assert prepare_long_documents(two, tmp_path, tmp_path / "data") == written
+    assert (tmp_path / "data" / FILE).stat().st_mtime_ns == stamp
+    one = prepare_long_documents(two.model_copy(update={"documents": 1}), tmp_path, tmp_path / "data")
+    assert len(one) == 1 and read_prepared(tmp_path / "data") == one
+
+
+def test_a_window_longer_than_the_model_s_positions_is_named_before_anything_is_built(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    check_positions(LongContextConfig(lengths=[1024, 2048]), tmp_path)
+    with pytest.raises(DataValidationError, match="long_context.lengths: 4096 tokens, the model takes 2048"):
+        check_positions(LongContextConfig(lengths=[1024, 4096]), tmp_path)
 
 
 def test_the_leaderboard_pairs_each_length_with_the_baseline_and_has_no_columns_where_nothing_was_measured():

@@ -88,3 +88,11 @@ def test_a_service_that_fails_to_start_is_named_and_what_needs_it_is_not_started
         assert ("tracking", "start") not in _events(tmp_path)
     finally:
         stop_all([broken, other, dependent], lines.append)
+
+
+def test_services_that_wait_for_each_other_are_refused_before_any_starts(tmp_path):
+    first = _service(tmp_path, "first", after=("second",))
+    second = _service(tmp_path, "second", after=("first",))
+    with pytest.raises(ServiceError, match="services wait for each other: first, second"):
+        start_all([first, second, _service(tmp_path, "other")], print)
+    assert not (tmp_path / "events").exists()  # nothing was started
