@@ -12,6 +12,8 @@ from tasks.config import SelectConfig
 from tasks.decide.accuracy import check_accuracy
 from tasks.decide.frontier import Objective, pareto_frontier
 from tasks.decide.long_context import (
+    LengthRatio,
+    LengthScore,
     length_cell,
     length_metrics,
     length_ratios,
@@ -56,7 +58,7 @@ class VariantScore:
     # served capacity through the real scheduler, per client count (empty: not measured, e.g. short, peer)
     served: tuple[LevelResult, ...] = ()
     peak_gpu_mb: float | None = None  # on a cuda target: the benchmark's peak of GPU memory allocated
-    long_context: tuple = ()  # tail perplexity by window length (tasks/decide/long_context.py; empty: not measured)
+    long_context: tuple[LengthScore, ...] = ()  # by window length (tasks/decide/long_context.py; empty: none)
 
     @property
     def memory_mb(self) -> float:
@@ -128,7 +130,9 @@ class LeaderboardRow:
         str, ...
     ] = ()  # why the row cannot win: accuracy budget, constraints (empty: it qualifies)
     on_frontier: bool = False  # no other variant is as accurate, as fast (objective) and as small, and better
-    long_context: tuple = ()  # per window length: perplexity, ratio to the baseline's and its interval
+    long_context: tuple[
+        LengthRatio, ...
+    ] = ()  # per window length: perplexity, ratio to the baseline's, interval
 
     @property
     def qualifies(self) -> bool:
