@@ -325,7 +325,7 @@ def measure_variants(
             logger.info(
                 f"outside the accuracy budget, so a short benchmark (never selected): {', '.join(short)}"
             )
-        plan = served_plan(config, texts)
+        plan = served_plan(config, data.folder)
         served = {name: plan if served_here(config, name, m) else None for name, m in manifests.items()}
         display.expect("evaluate", len(done))
         display.expect("benchmark", len(manifests) * trials)

@@ -56,8 +56,7 @@ def run_loadtest(
 ) -> LoadtestOutcome | PeerOutcome:
     """Drive the server `plan` names (see the module docstring); `say` gets one line per thing worth telling."""
     from serving.loadtest import load_test, log_load_test, offline_ceiling, served_model
-    from tasks.inputs.data import read_split
-    from tasks.measure.served import request_set
+    from tasks.measure.served import prompt_passages, request_set
     from tasks.report.tracking import configure_tracking
 
     updates = {"requests_per_level": plan.requests} if plan.requests is not None else {}
@@ -72,7 +71,7 @@ def run_loadtest(
         raise ConfigError(
             f"{data}: no prepared evaluation split to draw prompts from; run `llmopt run` first"
         )
-    passages = read_split(data, "evaluation")
+    passages = prompt_passages(config, data)
     if plan.peers:
         from serving.peers import Server
 

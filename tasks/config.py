@@ -58,6 +58,26 @@ class EvaluateConfig(Strict):
     lm_eval_limit: Annotated[int, Field(ge=1)] | None = 100  # examples per task (None: all)
 
 
+class RetrievalConfig(Strict):
+    """The planted-fact check at long context (`long_context.retrieval`): in each of the first `documents` long
+    documents (None: all), at each length of `lengths` (None: long_context.lengths) and each depth of `depths` (the
+    share of the document before the fact), a `key_digits`-digit number is planted and asked for at the end; the
+    answer is read greedily (tasks/measure/retrieval.py)."""
+
+    depths: Annotated[list[Annotated[float, Field(ge=0.0, le=1.0)]], Field(min_length=1)] = [0.1, 0.5, 0.9]
+    documents: Annotated[int, Field(ge=1)] | None = None
+    lengths: list[Annotated[int, Field(ge=64, le=1_048_576)]] | None = None
+    key_digits: Annotated[int, Field(ge=1, le=12)] = 5
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RetrievalConfig:
+        for name in ("depths", "lengths"):
+            values = getattr(self, name)
+            if values is not None and sorted(set(values)) != values:
+                raise ValueError(f"{name}: ascending and distinct, got {values}")
+        return self
+
+
 class LongContextConfig(Strict):
     """Accuracy at long context (the top-level `long_context:`; off when absent): the perplexity of the last
     `tail_tokens` tokens of each document's first max(`lengths`) tokens, given `lengths` tokens of window (context +
@@ -75,6 +95,19 @@ class LongContextConfig(Strict):
     ]
     tail_tokens: Annotated[int, Field(ge=1)] = 512
     seed: int = 0
+    retrieval: RetrievalConfig | None = RetrievalConfig()  # None: perplexity only
+
+    @property
+    def retrieval_lengths(self) -> list[int]:
+        """The lengths the planted-fact check runs at (none without `retrieval`)."""
+        if self.retrieval is None:
+            return []
+        return self.lengths if self.retrieval.lengths is None else self.retrieval.lengths
+
+    @property
+    def longest(self) -> int:
+        """The most tokens any measurement puts before the model: documents must hold it, the model take it."""
+        return max(self.lengths + self.retrieval_lengths)
 
     @model_validator(mode="after")
     def _windows_hold_the_tail(self) -> LongContextConfig:
@@ -83,6 +116,10 @@ class LongContextConfig(Strict):
         if self.lengths[0] <= self.tail_tokens:
             raise ValueError(
                 f"lengths: each longer than tail_tokens ({self.tail_tokens}), got {self.lengths[0]}"
+            )
+        if self.retrieval and self.retrieval.documents and self.retrieval.documents > self.documents:
+            raise ValueError(
+                f"retrieval.documents: at most documents ({self.documents}), got {self.retrieval.documents}"
             )
         return self
 
@@ -105,6 +142,9 @@ class BenchmarkConfig(Strict):
     # Every qualifying variant (not one outside the accuracy budget, not the peer row)
     served_clients: list[Annotated[int, Field(ge=1, le=256)]] = [1, 16]
     served_requests: Annotated[int, Field(ge=1, le=10_000)] = 16  # requests per client count
+    # Speed at long context (tasks/measure/long_context.py): one prompt of each length fed in slices, its time to the
+    # first token, the decode speed after it, the KV cache's bytes and the peak memory then; empty: not measured
+    long_prompt_tokens: list[Annotated[int, Field(ge=2, le=1_048_576)]] = []
 
     def short(self) -> BenchmarkConfig:
         """The benchmark of a variant outside the accuracy budget (it can never be selected, it is still on the

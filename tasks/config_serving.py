@@ -99,6 +99,8 @@ class LoadtestConfig(Strict):
     # Where a prompt starts in its passage: "first" (its first words: prompts from one passage share a start, as
     # chats sharing a system prompt do) or "anywhere" (a random word: no shared prefixes)
     prompt_start: Literal["first", "anywhere"] = "first"
+    # The passages prompts come from: the evaluation split, or the long documents of `long_context` (document QA)
+    prompt_source: Literal["evaluation", "long_documents"] = "evaluation"
     max_tokens: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2, max_length=2)] = [16, 64]
 
     @model_validator(mode="after")

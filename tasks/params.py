@@ -201,6 +201,10 @@ class Config(Strict):
                     f"variants.{name}.runtime.speculative.draft: {speculative.draft} speculates itself; a draft "
                     "proposes with plain decoding"
                 )
+        if self.loadtest.prompt_source == "long_documents" and self.long_context is None:
+            raise ValueError(
+                "loadtest.prompt_source: long_documents draws prompts from long_context's documents: set it"
+            )
         if self.select.objective == "serving" and not self.benchmark.served_clients:
             raise ValueError(
                 "select.objective: serving ranks by served capacity: benchmark.served_clients must not be empty"

@@ -80,7 +80,7 @@ def _print_notice(line: str) -> None:
 
 def _extend(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     """A profile file: `extends: params.yaml` plus the sections it changes (keys merged into the base's sections;
-    variants added to, or replacing, the base's variants by name)."""
+    variants added to, or replacing, the base's variants by name; a variant set to null is left out)."""
     base_path = path.parent / str(raw.pop("extends"))
     if base_path.resolve() == path.resolve():
         raise ConfigError(f"{path}: extends: names the file itself")
@@ -90,6 +90,8 @@ def _extend(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     for section, values in raw.items():
         merged = isinstance(values, dict) and isinstance(base.get(section), dict)
         base[section] = {**base[section], **values} if merged else values
+    if isinstance(base.get("variants"), dict):
+        base["variants"] = {name: recipe for name, recipe in base["variants"].items() if recipe is not None}
     return base
 
 

@@ -46,8 +46,9 @@ def write_corpus(folder: Path, documents: int = 12, sentences_per_document: int 
     return folder
 
 
-def build_tiny_llama(folder: Path, corpus: list[str], seed: int = 0) -> Path:
-    """A ~100k-parameter Llama with a byte-level BPE tokenizer trained on `corpus`, saved as an HF folder."""
+def build_tiny_llama(folder: Path, corpus: list[str], seed: int = 0, **shape: object) -> Path:
+    """A ~100k-parameter Llama with a byte-level BPE tokenizer trained on `corpus`, saved as an HF folder (`shape`:
+    LlamaConfig fields to change)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -78,6 +79,8 @@ def build_tiny_llama(folder: Path, corpus: list[str], seed: int = 0) -> Path:
         eos_token_id=2,
         tie_word_embeddings=True,
     )
+    for key, value in shape.items():
+        setattr(config, key, value)
     LlamaForCausalLM(config).save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
@@ -109,6 +112,95 @@ def train_tiny_llama(source: Path, folder: Path, corpus: list[str], steps: int =
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def filler_sentences(count: int, seed: int) -> list[str]:
+    """Sentences without a digit: a haystack in which a planted number is the only one."""
+    rng = random.Random(seed)
+    return [
+        f"Near the {place}, the {subject} {rng.choice(VERBS)} the {obj}."
+        for subject, obj, place in (rng.sample(WORDS, 3) for _ in range(count))
+    ]
+
+
+class _Encoder:
+    """What tasks/measure/retrieval.py's `planted` reads of a Runtime, from a tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def train_tiny_copier(folder: Path, seed: int = 0, attempts: int = 4, steps: int = 400) -> Path:
+    """`_train_copier` from seed `seed`, again from the next seed while the copy is not learned within `steps`
+    (a run from some seeds stays on its plateau for thousands of steps; most leave it within 150-400)."""
+    for attempt in range(attempts):
+        if _train_copier(folder, seed + attempt, steps):
+            return folder
+    raise AssertionError(f"the tiny copier learned nothing in {attempts} runs of {steps} steps")
+
+
+def _train_copier(folder: Path, seed: int, max_steps: int) -> bool:
+    """Whether a tiny Llama trained on the planted-fact check itself (one-digit keys in digit-free filler, windows of 72 to
+    88 tokens, the loss on the answer only) until it answers (~200 steps, seconds), then taught to end the number
+    with a full stop: it copies the one number its context holds, wherever it stands, also in longer windows, so a
+    cache that drops old positions shows as missed facts. Two 32-wide heads and a slow rotary base (1e6) leave
+    attention room to match by content at any distance (16-wide heads at base 1e4 stalled on some seeds), and the
+    full stop is taught only once the copy is learned (taught from the start, it stalled the copy). Saved to `folder`
+    when it learned."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.measure.retrieval import NEEDLE, QUESTION, Trial, planted
+    from tasks.measure.retrieval import WORDS as KEY_WORDS
+
+    rng = random.Random(seed)
+    templates = [NEEDLE.format(word=w, key=rng.randrange(10)) + QUESTION.format(word=w) for w in KEY_WORDS]
+    rope = {"rope_theta": 1e6, "rope_type": "default"}
+    shape = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "rope_parameters": rope}
+    build_tiny_llama(folder, filler_sentences(400, seed) + templates * 4, seed, **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    encoder = _Encoder(tokenizer)
+    haystack = encoder.encode(" ".join(filler_sentences(2000, seed + 1)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def step(taught: int) -> float:
+        """One batch of 16 planted facts, the loss on the answer's first `taught` tokens."""
+        length, rows, labels = rng.choice((72, 80, 88)), [], []
+        for _ in range(16):
+            start = rng.randrange(len(haystack) - length)
+            trial = Trial(rng.random(), rng.choice(KEY_WORDS), str(rng.randrange(10)))
+            before, after = planted(encoder, haystack[start : start + length], length, trial)
+            answer = encoder.encode(f" {trial.key}.")  # a space, the digit, the full stop
+            rows.append(before + after + answer)
+            labels.append(
+                [-100] * length + answer[:taught] + [-100] * (len(answer) - taught)
+            )  # the model shifts
+        loss = model(input_ids=torch.tensor(rows), labels=torch.tensor(labels)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    losses: list[float] = []
+    try:
+        while len(losses) < 20 or sum(losses[-20:]) / 20 > 0.02:
+            if len(losses) == max_steps:
+                return False
+            losses.append(step(taught=2))
+        for _ in range(100):
+            step(taught=3)
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return True
 
 
 # The tiny model in each engine at full precision: what the engine and serving tests drive.

@@ -138,7 +138,7 @@ def print_history(project: str, moves) -> None:
 
 
 def print_leaderboard(board) -> None:
-    from tasks.decide.select import table_cells, table_columns
+    from tasks.decide.leaderboard_table import table_cells, table_columns
 
     table = Table(
         title=f"Leaderboard, objective {board.objective} (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} "

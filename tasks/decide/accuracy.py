@@ -5,10 +5,11 @@ and not significantly worse, or why not."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tasks.config import SelectConfig
+from tasks.decide.long_context import length_ratios, length_scores, long_context_failures, retrieval_scores
 from tasks.decide.statistics import mcnemar_exact, paired_bootstrap_ppl_ratio
 from tasks.measure.evaluate import VariantEvaluation
 
@@ -50,12 +51,18 @@ def check_accuracy(
 def evaluation_accuracy(
     base: VariantEvaluation, variant: VariantEvaluation, cfg: SelectConfig
 ) -> AccuracyCheck:
-    """`check_accuracy` from two evaluations (before anything is benchmarked)."""
+    """`check_accuracy` from two evaluations (before anything is benchmarked), with the budget at long context
+    where it was measured."""
 
     def parts(e: VariantEvaluation) -> tuple[list[float], list[int], list[bool]]:
         return e.perplexity.window_nll, e.perplexity.window_tokens, e.cloze.correct
 
-    return check_accuracy(parts(base), parts(variant), cfg)
+    check = check_accuracy(parts(base), parts(variant), cfg)
+    ratios = length_ratios(length_scores(variant), length_scores(base), cfg)
+    failures = long_context_failures(ratios, retrieval_scores(variant), retrieval_scores(base), cfg)
+    if not failures or not check.within_budget:
+        return check
+    return replace(check, within_budget=False, failure=failures[0])
 
 
 def _accuracy_failure(ppl_high: float, cloze_p: float, cfg: SelectConfig) -> str:

@@ -11,19 +11,24 @@ from dataclasses import asdict, dataclass, field, replace
 from tasks.config import SelectConfig
 from tasks.decide.accuracy import check_accuracy
 from tasks.decide.frontier import Objective, pareto_frontier
+from tasks.decide.leaderboard_table import NOT_MEASURED, served_top, table_cells, table_columns
 from tasks.decide.long_context import (
     LengthRatio,
     LengthScore,
-    length_cell,
+    RetrievalScore,
     length_metrics,
     length_ratios,
     length_scores,
-    longest_measured,
+    long_context_failures,
+    retrieval_metrics,
+    retrieval_scores,
+    speed_metrics,
 )
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import ComparisonError
 from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
 from tasks.measure.evaluate import VariantEvaluation
+from tasks.measure.long_context import LengthSpeed
 from tasks.measure.served import LevelResult, served_metrics
 from tasks.measure.speculation import StyleSpeed
 from tasks.params import is_peer_recipe
@@ -59,6 +64,8 @@ class VariantScore:
     served: tuple[LevelResult, ...] = ()
     peak_gpu_mb: float | None = None  # on a cuda target: the benchmark's peak of GPU memory allocated
     long_context: tuple[LengthScore, ...] = ()  # by window length (tasks/decide/long_context.py; empty: none)
+    retrieval: tuple[RetrievalScore, ...] = ()  # the planted facts' answers by window length (empty: none)
+    speed_at_length: tuple[LengthSpeed, ...] = ()  # benchmark.long_prompt_tokens (empty: not measured)
 
     @property
     def memory_mb(self) -> float:
@@ -113,6 +120,8 @@ def variant_score(
         served=tuple(bench.served or ()),
         peak_gpu_mb=bench.peak_gpu_mb,
         long_context=length_scores(evaluation),
+        retrieval=retrieval_scores(evaluation),
+        speed_at_length=tuple(bench.long_context or ()),
     )
 
 
@@ -203,6 +212,8 @@ class Leaderboard:
                 **({} if row.score.peak_gpu_mb is None else {"peak_gpu_mb": round(row.score.peak_gpu_mb, 1)}),
                 "on_frontier": int(row.on_frontier),
                 **length_metrics(row.long_context),
+                **retrieval_metrics(row.score.retrieval),
+                **speed_metrics(row.score.speed_at_length),
             }
             for row in self.rows
         }
@@ -273,85 +284,6 @@ class Leaderboard:
                 f"{s.acceptance:.0%} of {s.proposed} | {s.tokens_per_call:.2f} | {s.agreement:.0%} |"
             )
         return "\n".join(lines) + "\n"
-
-
-NOT_MEASURED = "–"  # a cell the row's (short) benchmark did not measure comparably
-
-
-def served_top(board: Leaderboard) -> int | None:
-    """The most clients any row's served capacity was measured at (None: no row has it)."""
-    return max((level.concurrency for r in board.rows for level in r.score.served), default=None)
-
-
-def table_columns(board: Leaderboard) -> list[str]:
-    """Column headers; the batched-speed column names the largest measured batch size, the served columns (where
-    any row has them) the most clients."""
-    top = max((r.score.top_batch()[0] for r in board.rows), default=1)
-    clients = served_top(board)
-    served = [] if clients is None else [f"c{clients} tok/s", f"c{clients} TTFT p95"]
-    longest = longest_measured(board.rows)
-    return [
-        "variant",
-        "perplexity",
-        "ppl × (CI)",
-        *([] if longest is None else [f"ppl@{longest} × (CI)"]),
-        "agree %",
-        "cloze (p)",
-        "tok/s bs1",
-        f"tok/s bs{top}",
-        "speedup",
-        "TTFT ms",
-        "p95 ms",
-        *served,
-        "roofline",
-        "size MB",
-        "peak RSS MB",
-        *(["peak GPU MB"] if _on_gpu(board) else []),
-    ]
-
-
-def _on_gpu(board: Leaderboard) -> bool:
-    return any(row.score.peak_gpu_mb is not None for row in board.rows)
-
-
-def table_cells(board: Leaderboard) -> list[list[str]]:
-    """Formatted cells of every row, shared by the terminal, markdown and CSV renderings."""
-    cells, columns_top = [], max((r.score.top_batch()[0] for r in board.rows), default=1)
-    clients, gpu, longest = served_top(board), _on_gpu(board), longest_measured(board.rows)
-    for row in board.rows:
-        s = row.score
-        mark = (" ★" if s.variant == board.winner else "") + (" ◆" if row.on_frontier else "")
-        mark += "" if row.within_budget else " ✗"
-        mark += " ⏱" if s.short_benchmark else ""
-        top, top_speed = s.top_batch()
-        cells.append(
-            [
-                s.variant + mark,
-                f"{s.perplexity:.2f}",
-                f"{row.ppl_ratio:.3f} ({row.ppl_ratio_low:.3f}–{row.ppl_ratio_high:.3f})",
-                *([] if longest is None else [length_cell(row.long_context, longest)]),
-                f"{s.token_agreement:.0%}",
-                f"{s.cloze_accuracy:.0%} (p={row.cloze_p_value:.2f})",
-                f"{s.decode_tok_s:.1f}",
-                f"{top_speed:.1f}" if top == columns_top else NOT_MEASURED,
-                f"{row.speedup:.2f}" if row.speedup == row.speedup else NOT_MEASURED,
-                f"{s.ttft_ms:.0f}",
-                NOT_MEASURED if s.short_benchmark else f"{s.latency_p95_ms:.0f}",
-                *([] if clients is None else _served_cells(s, clients)),
-                f"{s.roofline_fraction:.0%}",
-                f"{s.size_bytes / 1e6:.0f}",
-                f"{s.peak_rss_mb:.0f}",
-                *([] if not gpu else [NOT_MEASURED if s.peak_gpu_mb is None else f"{s.peak_gpu_mb:.0f}"]),
-            ]
-        )
-    return cells
-
-
-def _served_cells(score: VariantScore, clients: int) -> list[str]:
-    level = next((level for level in score.served if level.concurrency == clients), None)
-    if level is None:
-        return [NOT_MEASURED, NOT_MEASURED]
-    return [f"{level.tok_s:.1f}", f"{level.ttft_p95_ms:.0f}"]
 
 
 def build_leaderboard(scores: list[VariantScore], cfg: SelectConfig) -> Leaderboard:
@@ -431,6 +363,10 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
         failures.insert(0, PEER_FAILURE)
     elif cfg.objective == "serving" and score.top_served() is None and within_budget:
         failures.append("no served capacity measured (objective: serving)")
+    at_length = length_ratios(score.long_context, base.long_context, cfg)
+    if score.variant != cfg.baseline:  # the budget at long context, where measured
+        at_length_failures = long_context_failures(at_length, score.retrieval, base.retrieval, cfg)
+        within_budget, failures = within_budget and not at_length_failures, failures + at_length_failures
     base_speed = base.speed(cfg.objective)
     speedup = score.speed(cfg.objective) / base_speed if base_speed > 0 else float("nan")
     return LeaderboardRow(
@@ -443,7 +379,7 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
         speedup=speedup,
         within_budget=within_budget,
         failures=tuple(failures + constraint_failures(score, speedup, cfg)),
-        long_context=length_ratios(score.long_context, base.long_context, cfg),
+        long_context=at_length,
     )
 
 

@@ -43,6 +43,10 @@ class Sequence(Protocol):
     def rewind(self, length: int) -> None:
         """Keep only the cache's first `length` tokens."""
 
+    # Whether `rewind` can work (an attribute; absent: True): False for a cache that forgets, such as a sliding
+    # window once it is full
+    rewinds: bool
+
 
 @dataclass
 class Stats:

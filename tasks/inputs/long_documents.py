@@ -58,7 +58,7 @@ def read_kjv(sdist: Path) -> list[tuple[str, str]]:
 def choose_documents(documents: list[tuple[str, str]], cfg: LongContextConfig) -> list[tuple[str, str]]:
     """`cfg.documents` of those with at least max(lengths) words (a word is at least a token for the tokenizers
     llmopt meets, so the longest window fits; checked again in tokens when measured), in a seeded hash order."""
-    long_enough = [(name, text) for name, text in documents if len(text.split()) >= max(cfg.lengths)]
+    long_enough = [(name, text) for name, text in documents if len(text.split()) >= cfg.longest]
     ranked = sorted(
         long_enough, key=lambda d: hashlib.sha256(f"{cfg.seed}\0{d[0]}\0{d[1]}".encode()).hexdigest()
     )
@@ -85,7 +85,7 @@ def prepare_long_documents(cfg: LongContextConfig, downloads: Path, out_dir: Pat
     ):
         return read_prepared(out_dir)
     chosen = choose_documents(read_documents(cfg, downloads), cfg)
-    validate_long_documents(chosen, cfg.documents, max(cfg.lengths))
+    validate_long_documents(chosen, cfg.documents, cfg.longest)
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"name": name, "text": text}) + "\n" for name, text in chosen))
     key_file.write_text(f"{key} {file_sha256(path)}")
@@ -105,9 +105,9 @@ def check_positions(cfg: LongContextConfig, model: Path) -> None:
         positions = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
         return  # a model without a readable config: named when measured
-    if isinstance(positions, int) and max(cfg.lengths) > positions:
+    if isinstance(positions, int) and cfg.longest > positions:
         raise DataValidationError(
-            f"long_context.lengths: {max(cfg.lengths)} tokens, the model takes {positions} positions"
+            f"long_context.lengths: {cfg.longest} tokens, the model takes {positions} positions"
         )
 
 

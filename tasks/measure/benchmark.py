@@ -23,6 +23,7 @@ from pathlib import Path
 from tasks.config import BenchmarkConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.failpoints import failpoint
+from tasks.measure.long_context import LengthSpeed, speed_at_lengths
 from tasks.measure.sampling import median_interval, repeat_to_length
 from tasks.measure.served import LevelResult, ServedPlan, served_capacity
 from tasks.measure.speculation import StyleSpeed, measure_speculation
@@ -77,6 +78,7 @@ class BenchmarkResult:
     # None: not measured (outside the accuracy budget, the peer row, or served_clients empty)
     served: list[LevelResult] | None = None
     served_peak_rss_mb: float | None = None
+    long_context: list[LengthSpeed] | None = None  # at benchmark.long_prompt_tokens, after everything above
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")
@@ -263,6 +265,8 @@ def benchmark_variant(
     levels = None
     if served is not None and cfg.served_clients:
         levels = served_capacity(runtime, served, cfg.served_clients)
+    served_peak = _peak_rss_mb() if levels is not None else None
+    at_length = speed_at_lengths(runtime, ids, cfg.long_prompt_tokens, _peak_rss_mb) or None
     return BenchmarkResult(
         load_s=load_s,
         ttft_ms=single.ttft_ms,
@@ -287,7 +291,8 @@ def benchmark_variant(
         compile_s=getattr(runtime, "compile_s", None),
         speculation=speculation,
         served=levels,
-        served_peak_rss_mb=_peak_rss_mb() if levels is not None else None,
+        served_peak_rss_mb=served_peak,
+        long_context=at_length,
     )
 
 
@@ -391,6 +396,8 @@ def benchmark_in_fresh_process(
         ]
     if result["served"] is not None:
         result["served"] = [LevelResult(**level) for level in result["served"]]
+    if result["long_context"] is not None:
+        result["long_context"] = [LengthSpeed(**length) for length in result["long_context"]]
     return BenchmarkResult(**result)
 
 

@@ -20,11 +20,13 @@ from tasks.engines.manifest import VariantManifest
 from tasks.errors import DataValidationError
 from tasks.failpoints import failpoint
 from tasks.local_files import code_sha256, staged_file
+from tasks.measure.retrieval import RetrievalResult
 
 # What an evaluation's numbers depend on besides the bytes and the text: this module and every engine.
 MEASURING_MODULES = (
     "tasks.measure.evaluate",
     "tasks.measure.long_context",
+    "tasks.measure.retrieval",
     "tasks.measure.lm_eval_adapter",
     "tasks.engines",
     "tasks.weights",
@@ -94,6 +96,7 @@ class VariantEvaluation:
     long_context: dict[str, PerplexityResult] = field(
         default_factory=dict
     )  # by window length, when configured
+    retrieval: dict[str, RetrievalResult] = field(default_factory=dict)  # the planted facts, by window length
 
 
 # The long-context settings and the documents they are measured on (`long_context:` set), or None
@@ -147,10 +150,11 @@ def evaluate_variant(
         from tasks.measure.lm_eval_adapter import run_lm_eval
 
         harness = run_lm_eval(runtime, cfg.lm_eval_tasks, cfg.lm_eval_limit)
-    at_length = {}
+    at_length, planted = {}, {}
     if long_context:
         at_length = evaluate_long_context(runtime, long_context, progress)
-    return VariantEvaluation(perplexity, agreement, continuations, cloze, harness, at_length)
+        planted = evaluate_retrieval(runtime, long_context, progress)
+    return VariantEvaluation(perplexity, agreement, continuations, cloze, harness, at_length, planted)
 
 
 def evaluate_long_context(
@@ -167,6 +171,21 @@ def evaluate_long_context(
         str(length): PerplexityResult(perplexity_from_losses(nll, counts), sum(counts), nll, counts)
         for length, (nll, counts) in tail_losses(runtime, documents, cfg, progress).items()
     }
+
+
+def evaluate_retrieval(
+    runtime: Runtime,
+    long_context: tuple[LongContextConfig, list[tuple[str, str]]],
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, RetrievalResult]:
+    """The planted-fact answers at each retrieval length (keyed by the length as text), none without
+    `long_context.retrieval` (tasks/measure/retrieval.py)."""
+    from tasks.measure.retrieval import retrieval
+
+    cfg, documents = long_context
+    if cfg.retrieval is None:
+        return {}
+    return {str(length): result for length, result in retrieval(runtime, documents, cfg, progress).items()}
 
 
 @dataclass(frozen=True)
@@ -274,6 +293,7 @@ def load_evaluation(path: Path, key: str) -> VariantEvaluation | None:
             ClozeResult(**data["cloze"]),
             data.get("lm_eval", {}),
             {length: PerplexityResult(**r) for length, r in data.get("long_context", {}).items()},
+            {length: RetrievalResult(**r) for length, r in data.get("retrieval", {}).items()},
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -11,13 +11,16 @@ without its logits; only the tail's rows of logits are kept (an 8 k-token window
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from tasks.config import LongContextConfig
 from tasks.engines import Runtime
 from tasks.errors import DataValidationError
+from tasks.measure.sampling import repeat_to_length
 
 SLICE_TOKENS = 1024  # context tokens per engine call (bounds the activations of one call)
 ROWS = 64  # tail rows of logits per log-softmax
@@ -77,4 +80,48 @@ def tail_losses(
             if progress:
                 progress(done, len(windows) * len(cfg.lengths))
         results[length] = (nll, counts)
+    return results
+
+
+SPEED_TOKENS = 16  # tokens decoded after each long prompt
+
+
+@dataclass(frozen=True)
+class LengthSpeed:
+    """One prompt of `length` tokens at batch 1 (`benchmark.long_prompt_tokens`), measured once."""
+
+    length: int
+    ttft_ms: float  # the prompt fed in slices of SLICE_TOKENS, to its first token
+    decode_tok_s: float  # the SPEED_TOKENS tokens after it
+    kv_bytes: (
+        int | None
+    )  # the sequence's KV cache after the prompt, as the engine holds it (None: it does not say)
+    peak_rss_mb: float  # the measuring process's peak resident memory once this length is done
+
+
+def speed_at_lengths(
+    runtime: Runtime, ids: list[int], lengths: list[int], peak_rss_mb: Callable[[], float]
+) -> list[LengthSpeed]:
+    """Each length in turn, shortest first, through the engine's incremental sequence (the prompt in the slices a
+    chunked prefill would take; an ONNX graph's every-row logits then stay ~200 MB, not ~1.6 GB at 8 k)."""
+    results = []
+    for length in sorted(lengths):
+        if length + SPEED_TOKENS > runtime.context_length:
+            raise DataValidationError(
+                f"benchmark.long_prompt_tokens: {length} tokens and {SPEED_TOKENS} more, the model takes "
+                f"{runtime.context_length} positions"
+            )
+        prompt, sequence = repeat_to_length(ids, length), runtime.sequence(length + SPEED_TOKENS)
+        start = time.perf_counter()
+        for first in range(0, length - 1, SLICE_TOKENS):
+            sequence.extend(prompt[first : min(first + SLICE_TOKENS, length - 1)], every=False)
+        token = int(np.argmax(sequence.extend(prompt[-1:], every=False)[-1]))
+        ttft_s = time.perf_counter() - start
+        kv_bytes = sequence.kv_bytes() if hasattr(sequence, "kv_bytes") else None
+        started = time.perf_counter()
+        for _ in range(SPEED_TOKENS):
+            token = int(np.argmax(sequence.extend([token], every=False)[-1]))
+        decode_s = time.perf_counter() - started
+        results.append(LengthSpeed(length, ttft_s * 1000, SPEED_TOKENS / decode_s, kv_bytes, peak_rss_mb()))
+        del sequence
     return results

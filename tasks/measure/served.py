@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -188,14 +189,25 @@ class ServedPlan:
     slo: SloConfig | None = None
 
 
-def served_plan(config: Config, passages: list[str]) -> ServedPlan | None:
+def prompt_passages(config: Config, data: Path) -> list[str]:
+    """The passages the load test's prompts come from (`loadtest.prompt_source`), in the prepared data folder."""
+    if config.loadtest.prompt_source == "long_documents":
+        from tasks.inputs.long_documents import read_prepared
+
+        return [text for _, text in read_prepared(data)]
+    from tasks.inputs.data import read_split
+
+    return read_split(data, "evaluation")
+
+
+def served_plan(config: Config, data: Path) -> ServedPlan | None:
     """The benchmark's served measurement for this configuration: the load test's request mix (its seed, prompt
     lengths and budgets; `benchmark.served_requests` of them) and `serve`'s scheduler settings; None when
     `benchmark.served_clients` is empty."""
     if not config.benchmark.served_clients:
         return None
     mix = config.loadtest.model_copy(update={"requests_per_level": config.benchmark.served_requests})
-    requests = request_set(passages, mix, config.serve.max_new_tokens)
+    requests = request_set(prompt_passages(config, data), mix, config.serve.max_new_tokens)
     return ServedPlan(tuple(requests), Limits.of(config.serve), config.slo)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.decide.select import Leaderboard, served_top
+from tasks.decide.leaderboard_table import served_top
+from tasks.decide.select import Leaderboard
 
 
 def tradeoff_plot(board: Leaderboard, path: Path) -> Path:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.decide.gate import Verdict
-from tasks.decide.select import Leaderboard, LeaderboardRow, table_cells, table_columns
+from tasks.decide.leaderboard_table import table_cells, table_columns
+from tasks.decide.select import Leaderboard, LeaderboardRow
 
 HTML_FILE, MARKDOWN_FILE = "report.html", "report.md"
 

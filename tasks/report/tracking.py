@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tasks.config import TrackingConfig
-from tasks.decide.long_context import length_metrics
+from tasks.decide.long_context import length_metrics, retrieval_metrics, speed_metrics
 from tasks.decide.select import Leaderboard
 from tasks.engines.manifest import VariantManifest
 from tasks.errors import exception_chain
@@ -350,6 +350,8 @@ def log_reports(
             "cloze_delta": row.cloze_delta,
             "within_budget": float(row.within_budget),
             **length_metrics(row.long_context),
+            **retrieval_metrics(row.score.retrieval),
+            **speed_metrics(row.score.speed_at_length),
         }
         metrics = [Metric(k, float(v), 0, 0) for k, v in comparison.items()]
         client.log_batch(variant_runs[row.score.variant], metrics=metrics)

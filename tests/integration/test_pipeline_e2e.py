@@ -43,7 +43,9 @@ def first_repro(
     """The tiny project after its first `dvc repro` (kept as state "repro") and what that printed."""
     # long context on three corpus files, at windows the tiny model holds (its 512 positions)
     long_context = {"source": str(corpus_dir), "documents": 3, "lengths": [128, 256], "tail_tokens": 32}
-    params = tiny_params(tiny_model_dir, corpus_dir, long_context=long_context)
+    params = tiny_params(
+        tiny_model_dir, corpus_dir, long_context=long_context, benchmark={"long_prompt_tokens": [256]}
+    )
     root = make_project(tmp_path_factory.mktemp("e2e") / "project", params)
     # the default path, Prefect's own ephemeral server included
     result = run(root, "dvc", "repro", ephemeral_prefect=True)
@@ -153,6 +155,8 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(repro_state):
             "cloze_p_value",
         } <= child.data.metrics.keys()
         assert child.data.metrics["ppl_ctx256"] > 1 and child.data.metrics["ppl_ratio_ctx256_ci_high"] > 0
+        assert 0 <= child.data.metrics["retrieval_ctx256_depth0.5"] <= 1  # the planted facts, by depth
+        assert child.data.metrics["ttft_ms_ctx256"] > 0 and child.data.metrics["kv_mb_ctx256"] > 0
     baseline = next(c for c in children if c.info.run_name == "baseline").data.metrics
     # compared with itself: every statistic must be exactly neutral
     assert baseline["ppl_ratio_ci_low"] == baseline["ppl_ratio_ci_high"] == baseline["token_agreement"] == 1.0

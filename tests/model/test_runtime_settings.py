@@ -3,12 +3,13 @@ what they claim."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
-from tasks.engines.pytorch.runtime import generation_options, kv_cache_bytes
+from tasks.engines.pytorch.kv_cache import generation_options, kv_cache_bytes
 from tasks.inputs.load import PreparedBase
 from tasks.params import VariantConfig
 from tasks.techniques.build import build_variant
@@ -67,6 +68,26 @@ def test_quantized_kv_cache_holds_fewer_bytes_than_the_full_precision_cache(runt
         sizes[name] = kv_cache_bytes(out.past_key_values)
     assert sizes["kv2"] < sizes["kv4"] < 0.6 * sizes["baseline"]
     assert len(runtimes["kv4"].generate([ids], 8, stop_at_eos=False)[0]) == 8
+
+
+def test_a_quantized_kv_cache_is_the_cache_of_sequences_and_of_the_servers_decoder_too(runtimes):
+    """So long-context accuracy and served requests measure the cache the recipe names, not a float one."""
+    from transformers import QuantizedCache
+
+    ids = runtimes["baseline"].encode(TEXT * 4)
+    rows = {}
+    for name in ("baseline", "kv2"):
+        sequence = runtimes[name].sequence(len(ids))
+        sequence.extend(ids[:-8], every=False)
+        rows[name] = sequence.extend(ids[-8:], every=True)
+        assert isinstance(sequence._cache, QuantizedCache) == (name == "kv2")
+        assert sequence.rewinds == (name == "baseline")  # a quantized cache cannot be cropped
+    assert rows["kv2"].shape == rows["baseline"].shape
+    assert not np.allclose(rows["kv2"], rows["baseline"], atol=1e-4)  # 2-bit keys/values past the residual
+    decoder = runtimes["kv2"].batch_decoder()
+    sequence, _ = decoder.add(ids[:-8])
+    decoder.step({sequence: ids[-8]})
+    assert isinstance(decoder._caches[sequence], QuantizedCache)
 
 
 def test_sliding_window_sees_only_the_last_tokens_and_bounds_the_cache(runtimes):

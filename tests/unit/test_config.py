@@ -214,6 +214,18 @@ def test_a_profile_extends_the_default_file_adding_variants_and_changing_keys(tm
     config = load_config(profile)
     assert (config.evaluate.window, config.evaluate.max_tokens) == (64, 512)
     assert list(config.variants) == ["baseline", "bf16", "eager"]
+    profile.write_text("extends: params.yaml\nvariants:\n  bf16: null\n")  # a profile leaves a variant out
+    assert list(load_config(profile).variants) == ["baseline"]
+
+
+def test_repository_document_qa_profile_measures_long_context_and_its_kv_settings():
+    config = load_config(REPO / "params.document_qa.yaml")
+    assert config.long_context is not None and max(config.long_context.lengths) == 8192
+    assert config.long_context.retrieval is not None
+    assert config.project.workdir != load_config(REPO / "params.yaml").project.workdir
+    settings = {name: v.runtime for name, v in config.variants.items()}
+    assert any(s.kv_cache == "quantized" for s in settings.values())
+    assert any(s.sliding_window for s in settings.values())
 
 
 def test_repository_full_profile_loads_and_enables_every_step_kind():

@@ -297,7 +297,12 @@ def test_the_accuracy_check_before_benchmarking_is_the_leaderboards():
 
     def evaluation(s: VariantScore):
         perplexity = SimpleNamespace(window_nll=list(s.window_nll), window_tokens=list(s.window_tokens))
-        return SimpleNamespace(perplexity=perplexity, cloze=SimpleNamespace(correct=list(s.cloze_correct)))
+        return SimpleNamespace(
+            perplexity=perplexity,
+            cloze=SimpleNamespace(correct=list(s.cloze_correct)),
+            long_context={},
+            retrieval={},
+        )
 
     for s in scores[1:]:
         check = evaluation_accuracy(evaluation(scores[0]), evaluation(s), cfg)
@@ -313,7 +318,7 @@ def test_a_short_benchmarked_row_is_marked_and_shows_no_batched_speed():
     full = replace(score("ok", 1.04, 30), batch_decode_tok_s=((1, 30.0), (8, 120.0)))
     base = replace(score("baseline", 1.0, 10), batch_decode_tok_s=((1, 10.0), (8, 40.0)))
     board = build_leaderboard([base, fast, full], SelectConfig(max_ppl_increase=0.05))
-    from tasks.decide.select import table_cells, table_columns
+    from tasks.decide.leaderboard_table import table_cells, table_columns
 
     columns = table_columns(board)
     cells = {c[0].split(" ")[0]: dict(zip(columns, c, strict=True)) for c in table_cells(board)}
@@ -368,7 +373,12 @@ def test_only_this_runs_own_refused_variants_get_the_short_benchmark(tmp_path):
     def evaluation(ratio: float):
         s = score("x", ratio, 1.0)
         perplexity = SimpleNamespace(window_nll=list(s.window_nll), window_tokens=list(s.window_tokens))
-        return SimpleNamespace(perplexity=perplexity, cloze=SimpleNamespace(correct=list(s.cloze_correct)))
+        return SimpleNamespace(
+            perplexity=perplexity,
+            cloze=SimpleNamespace(correct=list(s.cloze_correct)),
+            long_context={},
+            retrieval={},
+        )
 
     evaluations = {name: evaluation(ratio) for name, ratio in ratios.items()}
     manifests = {

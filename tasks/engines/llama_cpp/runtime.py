@@ -292,6 +292,11 @@ class LlamaCppSequence:
         self.length += len(tokens)
         return logits
 
+    def kv_bytes(self) -> int:
+        """Bytes of the sequence's state as llama.cpp saves it: its cells' keys and values (and a small header)."""
+        context = self._context
+        return int(context._lib.llama_state_seq_get_size(context._ctx, 0))
+
     def rewind(self, length: int) -> None:
         if length < self.length:
             self._context.truncate(0, length)

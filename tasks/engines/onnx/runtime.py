@@ -70,7 +70,10 @@ class OrtGenAIRuntime(Runtime):
         return frozenset(ids)
 
     def sequence(self, capacity: int) -> OrtSequence:
-        return OrtSequence(self._generator([[]], min(capacity, self.context_length)))
+        layers = json.loads((self._folder / "genai_config.json").read_text())["model"]["decoder"][
+            "num_hidden_layers"
+        ]
+        return OrtSequence(self._generator([[]], min(capacity, self.context_length)), layers)
 
     def _generator(self, batch: list[list[int]], max_length: int, min_length: int = 0) -> Any:
         params = self._og.GeneratorParams(self.model)
@@ -108,8 +111,14 @@ class OrtSequence:
     `rewind_to` on rewind (speculative decoding). The graph runs k new tokens with other kernels than one (int4
     MatMulNBits), so a k-token call's logits can differ from one-token calls' in the last digits."""
 
-    def __init__(self, generator: Any) -> None:
-        self._generator, self.length = generator, 0
+    def __init__(self, generator: Any, layers: int = 0) -> None:
+        self._generator, self.length, self._layers = generator, 0, layers
+
+    def kv_bytes(self) -> int:
+        """Bytes of the generator's KV buffers: the first layer's present keys and values as ONNX Runtime holds
+        them (their shape and element type; every layer is alike), times the layers."""
+        key, value = (self._generator.get_output(f"present.0.{part}") for part in ("key", "value"))
+        return (key.nbytes + value.nbytes) * self._layers
 
     def extend(self, tokens: list[int], every: bool = True) -> np.ndarray:
         self._generator.append_tokens(np.asarray([tokens], dtype=np.int32))

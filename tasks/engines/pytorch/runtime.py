@@ -7,17 +7,15 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-from tasks.config import RuntimeSettings, TargetConfig
+from tasks.config import TargetConfig
 from tasks.engines.contract import BatchDecoder, Runtime
 from tasks.engines.manifest import VariantManifest
+from tasks.engines.pytorch.kv_cache import cache_factory, generation_options, kv_cache_bytes
 from tasks.engines.registry import register_engine
 from tasks.errors import ArtifactError, EngineError, TargetError
 from tasks.weights.catalog import weights_format
 
 ENGINE = "torch"  # the manifest's `engine` for every variant this module runs
-KV_RESIDUAL_TOKENS = (
-    16  # a quantized KV cache keeps only the newest tokens in full precision (KIVI's residual)
-)
 
 
 @register_engine
@@ -66,6 +64,7 @@ class TorchRuntime(Runtime):
             # fullgraph compile raises instead of running
             dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         self._options = generation_options(settings, self.model.config.head_dim)
+        self._new_cache = cache_factory(self._options, self.model.config)  # the server's and sequences' too
         # quanto's packed int4 tensors fail under inference_mode ("Cannot set version_counter"); no_grad works
         no_grad = torch.inference_mode if stored.inference_mode else torch.no_grad
         self._no_grad = inference_context(no_grad, settings.sdpa_backend)
@@ -118,7 +117,7 @@ class TorchRuntime(Runtime):
         return frozenset(ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
 
     def sequence(self, capacity: int) -> TorchSequence:
-        return TorchSequence(self.model, self._no_grad, self.device)
+        return TorchSequence(self.model, self._no_grad, self.device, self._new_cache)
 
     def batch_decoder(self) -> BatchDecoder:
         """On a GPU the sequences' steps run as one padded batch (what GPUs are for). On the CPU a half-precision
@@ -130,13 +129,13 @@ class TorchRuntime(Runtime):
         from tasks.engines.pytorch.slots import SlotBatchDecoder, steps_in_slots
 
         settings = self.manifest.runtime_settings()
-        plain = settings.sdpa_backend != "flash" and settings.sliding_window is None
+        plain = settings.sdpa_backend != "flash" and settings.sliding_window is None and not self._new_cache()
         if self.device.type == "cuda" and plain:
             return PaddedBatchDecoder(self.model, self._no_grad, self.device)
         half = self.manifest.dtype in ("bfloat16", "float16")
         if half and plain and settings.speculative is None and steps_in_slots(self.model):
             return SlotBatchDecoder(self.model, self._no_grad, self.device)
-        return TorchBatchDecoder(self.model, self._no_grad, self.device)
+        return TorchBatchDecoder(self.model, self._no_grad, self.device, self._new_cache)
 
     def _generate_batch(
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
@@ -186,10 +185,16 @@ class TorchSequence:
     """One sequence with transformers' dynamic cache: several tokens per forward call with the logits of each,
     cropped on rewind (speculative decoding)."""
 
-    def __init__(self, model: Any, no_grad: Any, device: Any) -> None:
+    def __init__(self, model: Any, no_grad: Any, device: Any, new_cache: Any = lambda: None) -> None:
         self._model, self._no_grad, self._device = model, no_grad, device
-        self._cache: Any = None
+        self._new_cache = new_cache
+        self._cache: Any = new_cache()  # None: transformers' dynamic cache
         self.length = 0
+        config = (
+            model.config
+        )  # a sliding window's cache drops what it would rewind to; a quantized one cannot crop
+        windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        self.rewinds = not windowed and self._cache is None
 
     def extend(self, tokens: list[int], every: bool = True) -> Any:
         import torch
@@ -204,10 +209,14 @@ class TorchSequence:
         self._cache, self.length = out.past_key_values, self.length + len(tokens)
         return out.logits[0].float().cpu().numpy()
 
+    def kv_bytes(self) -> int:
+        """Bytes the cache holds now (packed quantized tensors by their parts)."""
+        return 0 if self._cache is None else kv_cache_bytes(self._cache)
+
     def rewind(self, length: int) -> None:
         if length < self.length:
             if length == 0:
-                self._cache = None
+                self._cache = self._new_cache()
             else:
                 self._cache.crop(
                     length - self.length
@@ -218,10 +227,12 @@ class TorchSequence:
 class TorchBatchDecoder(BatchDecoder):
     """Steps each sequence in its own forward call with transformers' default (dynamic) KV cache: padding a
     batch of different lengths can change fp32 results in PyTorch, so sequences share the decoder's turns but
-    not its matrix products. The recipe's KV-cache setting (static, quantized) applies to `generate` only."""
+    not its matrix products. A quantized KV cache (`kv_cache: quantized`) is each sequence's cache here too; a static
+    one applies to `generate` only."""
 
-    def __init__(self, model: Any, no_grad: Any, device: Any) -> None:
+    def __init__(self, model: Any, no_grad: Any, device: Any, new_cache: Any = lambda: None) -> None:
         self._model, self._no_grad, self._device = model, no_grad, device
+        self._new_cache = new_cache  # a fresh cache per sequence (None: transformers' dynamic one)
         self._caches: dict[int, Any] = {}
         self._next_id = 0
 
@@ -240,7 +251,7 @@ class TorchBatchDecoder(BatchDecoder):
         return out.logits[0, -1].float().cpu().numpy(), out.past_key_values
 
     def add(self, prompt: list[int]) -> tuple[int, Any]:
-        logits, cache = self._forward(prompt, None)
+        logits, cache = self._forward(prompt, self._new_cache())
         self._next_id += 1
         self._caches[self._next_id] = cache
         return self._next_id, logits
@@ -386,40 +397,6 @@ def only_efficient_sdpa_enabled() -> bool:
 
     others = (cuda.flash_sdp_enabled(), cuda.math_sdp_enabled(), cuda.cudnn_sdp_enabled())
     return cuda.mem_efficient_sdp_enabled() and not any(others)
-
-
-def generation_options(settings: RuntimeSettings, head_dim: int) -> dict[str, Any]:
-    """`generate` keyword arguments for the KV-cache settings (a sliding window is part of the model instead).
-    transformers compiles a static cache's decode step on a GPU by itself; llmopt never lets it: `compile: true`
-    runs llmopt's own decode loop instead (tasks/engines/pytorch/decode_loop.py), so what is measured is what the
-    recipe names."""
-    if settings.kv_cache == "static":
-        return {"cache_implementation": "static", "disable_compile": True}
-    if settings.kv_cache == "quantized":
-        cache = {"backend": "quanto", "nbits": settings.kv_cache_bits, "residual_length": KV_RESIDUAL_TOKENS}
-        return {
-            "cache_implementation": "quantized",
-            "cache_config": {**cache, "q_group_size": min(64, head_dim)},
-        }
-    return {}
-
-
-def kv_cache_bytes(cache: Any) -> int:
-    """Bytes held by a transformers KV cache, packed quantized tensors counted by their parts."""
-    return sum(_tensor_bytes(value) for layer in cache.layers for value in vars(layer).values())
-
-
-def _tensor_bytes(value: Any) -> int:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        if hasattr(value, "__tensor_flatten__"):  # quanto's packed tensors: data, scale, shift
-            names, _ = value.__tensor_flatten__()
-            return sum(_tensor_bytes(getattr(value, name)) for name in names)
-        return value.numel() * value.element_size()
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(item) for item in value)
-    return 0
 
 
 def deepspeed_engine(model: Any, dtype: str) -> Any:
