@@ -11,7 +11,17 @@ import tarfile
 import pytest
 
 from tasks.config import LongContextConfig, SelectConfig
-from tasks.decide.long_context import length_metrics, length_ratios, longest_measured
+from tasks.decide.long_context import (
+    by_depth,
+    length_metrics,
+    length_ratios,
+    long_context_failures,
+    longest_measured,
+    retrieval_cell,
+    retrieval_metrics,
+    speed_cell,
+    speed_metrics,
+)
 from tasks.errors import DataValidationError
 from tasks.inputs.long_documents import (
     FILE,
@@ -23,6 +33,7 @@ from tasks.inputs.long_documents import (
     read_kjv,
     read_prepared,
 )
+from tasks.measure.long_context import LengthSpeed
 
 
 def _sdist(folder, books: dict[str, int]) -> None:
@@ -110,3 +121,63 @@ def test_the_leaderboard_pairs_each_length_with_the_baseline_and_has_no_columns_
     assert (
         longest_measured([Row(((1024, 1, 1, 1, 1), (2048, 1, 1, 1, 1))), Row(((1024, 1, 1, 1, 1),))]) == 1024
     )
+
+
+def test_the_budget_holds_at_length_where_measured_and_names_what_breaks_it():
+    cfg = SelectConfig(max_ppl_increase=0.05)
+    within, beyond = (8192, 15.0, 1.01, 1.00, 1.03), (8192, 16.0, 1.09, 1.05, 1.13)
+    assert long_context_failures((within,), (), (), cfg) == []
+    assert long_context_failures((beyond,), (), (), cfg) == [
+        "perplexity at 8192 tokens: CI upper bound 1.130 > 1.050"
+    ]
+    base = ((1024, (0.1, 0.5, 0.9) * 4, (True,) * 12),)
+    lost = ((1024, (0.1, 0.5, 0.9) * 4, (True, False, False) * 4),)  # 8 facts lost, none gained: p = 0.008
+    assert long_context_failures((), lost, base, cfg) == [
+        "planted facts found 4/12, the baseline 12 (McNemar p 0.008)"
+    ]
+    one_lost = ((1024, (0.1, 0.5, 0.9) * 4, (False,) + (True,) * 11),)  # within chance
+    assert long_context_failures((), one_lost, base, cfg) == []
+    other_facts = ((1024, (0.25,) * 12, (False,) * 12),)  # other depths: nothing to pair with
+    assert long_context_failures((), other_facts, base, cfg) == []
+    assert by_depth(lost[0]) == {0.1: 1.0, 0.5: 0.0, 0.9: 0.0}
+    assert retrieval_metrics(lost) == {
+        "retrieval_ctx1024": 0.3333,
+        "retrieval_ctx1024_depth0.1": 1.0,
+        "retrieval_ctx1024_depth0.5": 0.0,
+        "retrieval_ctx1024_depth0.9": 0.0,
+    }
+    assert retrieval_cell(lost, 1024) == "4/12 (100·0·0)" and retrieval_cell(lost, 4096) == "–"
+
+
+def test_speed_at_length_becomes_metrics_and_one_cell():
+    speeds = (
+        LengthSpeed(1024, 900.0, 20.0, 47_185_920, 900.0),
+        LengthSpeed(8192, 41_000.0, 9.5, None, 2500.0),
+    )
+    assert speed_metrics(speeds) == {
+        "ttft_ms_ctx1024": 900.0,
+        "decode_tok_s_ctx1024": 20.0,
+        "kv_mb_ctx1024": 47.2,
+        "peak_rss_mb_ctx1024": 900.0,
+        "ttft_ms_ctx8192": 41000.0,
+        "decode_tok_s_ctx8192": 9.5,
+        "peak_rss_mb_ctx8192": 2500.0,  # no KV figure: the engine did not say
+    }
+    assert speed_cell(speeds, 1024) == "0.9 · 20.0 · 47" and speed_cell(speeds, 8192) == "41.0 · 9.5 · –"
+
+
+def test_load_test_prompts_come_from_the_long_documents_only_where_there_are_some(tmp_path):
+    from tasks.errors import ConfigError
+    from tasks.measure.served import prompt_passages
+    from tasks.params_file import load_config
+
+    (tmp_path / "params.yaml").write_text(
+        "variants: {baseline: {}}\nloadtest: {prompt_source: long_documents}\n"
+    )
+    with pytest.raises(ConfigError, match="prompt_source: long_documents draws prompts from long_context"):
+        load_config(tmp_path / "params.yaml")
+    (tmp_path / "params.yaml").write_text(
+        "variants: {baseline: {}}\nloadtest: {prompt_source: long_documents}\nlong_context: {}\n"
+    )
+    (tmp_path / FILE).write_text(json.dumps({"name": "Ruth", "text": "And it came to pass"}) + "\n")
+    assert prompt_passages(load_config(tmp_path / "params.yaml"), tmp_path) == ["And it came to pass"]
