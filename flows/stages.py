@@ -71,8 +71,10 @@ def data_task(config: Config, root: Path) -> PreparedData:
 
 def prepare_inputs(config: Config, root: Path) -> tuple[PreparedBase, PreparedData]:
     base = load_task(config, root)
-    if config.long_context:  # before anything is built: the longest window must fit the model
-        check_positions(config.long_context, base.path)
+    if config.long_context:  # before anything is built: the longest windows must fit the model
+        check_positions("long_context.lengths", config.long_context.longest, base.path)
+    if config.benchmark.long_prompt_tokens:
+        check_positions("benchmark.long_prompt_tokens", max(config.benchmark.long_prompt_tokens), base.path)
     return base, data_task(config, root)
 
 

@@ -66,7 +66,7 @@ class RetrievalConfig(Strict):
 
     depths: Annotated[list[Annotated[float, Field(ge=0.0, le=1.0)]], Field(min_length=1)] = [0.1, 0.5, 0.9]
     documents: Annotated[int, Field(ge=1)] | None = None
-    lengths: list[Annotated[int, Field(ge=64, le=1_048_576)]] | None = None
+    lengths: Annotated[list[Annotated[int, Field(ge=64, le=1_048_576)]], Field(min_length=1)] | None = None
     key_digits: Annotated[int, Field(ge=1, le=12)] = 5
 
     @model_validator(mode="after")

@@ -143,8 +143,8 @@ def train_tiny_copier(folder: Path, seed: int = 0, attempts: int = 4, steps: int
 
 
 def _train_copier(folder: Path, seed: int, max_steps: int) -> bool:
-    """Whether a tiny Llama trained on the planted-fact check itself (one-digit keys in digit-free filler, windows of 72 to
-    88 tokens, the loss on the answer only) until it answers (~200 steps, seconds), then taught to end the number
+    """Whether a tiny Llama trained on the planted-fact check itself (one-digit keys in digit-free filler, windows of 80 to
+    128 tokens, the loss on the answer only) until it answers (~200 steps, seconds), then taught to end the number
     with a full stop: it copies the one number its context holds, wherever it stands, also in longer windows, so a
     cache that drops old positions shows as missed facts. Two 32-wide heads and a slow rotary base (1e6) leave
     attention room to match by content at any distance (16-wide heads at base 1e4 stalled on some seeds), and the
@@ -170,16 +170,15 @@ def _train_copier(folder: Path, seed: int, max_steps: int) -> bool:
 
     def step(taught: int) -> float:
         """One batch of 16 planted facts, the loss on the answer's first `taught` tokens."""
-        length, rows, labels = rng.choice((72, 80, 88)), [], []
+        length, rows, labels = rng.choice((80, 96, 112, 128)), [], []
         for _ in range(16):
             start = rng.randrange(len(haystack) - length)
             trial = Trial(rng.random(), rng.choice(KEY_WORDS), str(rng.randrange(10)))
             before, after = planted(encoder, haystack[start : start + length], length, trial)
             answer = encoder.encode(f" {trial.key}.")  # a space, the digit, the full stop
             rows.append(before + after + answer)
-            labels.append(
-                [-100] * length + answer[:taught] + [-100] * (len(answer) - taught)
-            )  # the model shifts
+            masked = [-100] * len(before + after)  # the model shifts the labels itself
+            labels.append(masked + answer[:taught] + [-100] * (len(answer) - taught))
         loss = model(input_ids=torch.tensor(rows), labels=torch.tensor(labels)).loss
         optimizer.zero_grad()
         loss.backward()
@@ -194,6 +193,8 @@ def _train_copier(folder: Path, seed: int, max_steps: int) -> bool:
             if len(losses) == max_steps:
                 return False
             losses.append(step(taught=2))
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3  # gently: at the first rate the full stop unlearned the copy on some seeds
         for _ in range(100):
             step(taught=3)
     finally:

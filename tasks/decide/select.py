@@ -359,14 +359,14 @@ def _row(score: VariantScore, base: VariantScore, cfg: SelectConfig) -> Leaderbo
     )
     interval, cloze, within_budget = check.interval, check.cloze, check.within_budget
     failures = [] if check.failure is None else [check.failure]
-    if score.peer:
-        failures.insert(0, PEER_FAILURE)
-    elif cfg.objective == "serving" and score.top_served() is None and within_budget:
-        failures.append("no served capacity measured (objective: serving)")
     at_length = length_ratios(score.long_context, base.long_context, cfg)
     if score.variant != cfg.baseline:  # the budget at long context, where measured
         at_length_failures = long_context_failures(at_length, score.retrieval, base.retrieval, cfg)
         within_budget, failures = within_budget and not at_length_failures, failures + at_length_failures
+    if score.peer:
+        failures.insert(0, PEER_FAILURE)
+    elif cfg.objective == "serving" and score.top_served() is None and within_budget:
+        failures.append("no served capacity measured (objective: serving)")
     base_speed = base.speed(cfg.objective)
     speedup = score.speed(cfg.objective) / base_speed if base_speed > 0 else float("nan")
     return LeaderboardRow(

@@ -99,16 +99,15 @@ def long_documents(documents: list[tuple[str, str]] | None) -> list[tuple[str, s
     return list(documents)
 
 
-def check_positions(cfg: LongContextConfig, model: Path) -> None:
-    """The longest window fits the base model's positions (`max_position_embeddings` in its config.json)."""
+def check_positions(setting: str, tokens: int, model: Path) -> None:
+    """`tokens` (the longest window of `setting`) fit the base model's positions (`max_position_embeddings` in its
+    config.json)."""
     try:
         positions = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
         return  # a model without a readable config: named when measured
-    if isinstance(positions, int) and cfg.longest > positions:
-        raise DataValidationError(
-            f"long_context.lengths: {cfg.longest} tokens, the model takes {positions} positions"
-        )
+    if isinstance(positions, int) and tokens > positions:
+        raise DataValidationError(f"{setting}: {tokens} tokens, the model takes {positions} positions")
 
 
 def read_prepared(folder: Path) -> list[tuple[str, str]]:

@@ -11,6 +11,7 @@ and serving use.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -266,7 +267,7 @@ def benchmark_variant(
     if served is not None and cfg.served_clients:
         levels = served_capacity(runtime, served, cfg.served_clients)
     served_peak = _peak_rss_mb() if levels is not None else None
-    at_length = speed_at_lengths(runtime, ids, cfg.long_prompt_tokens, _peak_rss_mb) or None
+    at_length = speed_at_lengths(runtime, ids, cfg.long_prompt_tokens, _peak_rss_mb, _reset_peak_rss) or None
     return BenchmarkResult(
         load_s=load_s,
         ttft_ms=single.ttft_ms,
@@ -420,6 +421,12 @@ def _peak_rss_mb() -> float:
     report its parent's peak (the evaluation model) instead of its own.
     """
     return _proc_status_kib("VmHWM") / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Start VmHWM afresh from the current resident memory (Linux: "5" to clear_refs); a no-op where refused."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def _rss_mb() -> float:

@@ -83,45 +83,52 @@ def tail_losses(
     return results
 
 
-SPEED_TOKENS = 16  # tokens decoded after each long prompt
+SPEED_TOKENS = 16  # tokens decoded at the end of each long window
 
 
 @dataclass(frozen=True)
 class LengthSpeed:
-    """One prompt of `length` tokens at batch 1 (`benchmark.long_prompt_tokens`), measured once."""
+    """One window of `length` tokens at batch 1 (`benchmark.long_prompt_tokens`): a prompt of `length` - SPEED_TOKENS
+    tokens and SPEED_TOKENS decoded after it, measured once."""
 
     length: int
     ttft_ms: float  # the prompt fed in slices of SLICE_TOKENS, to its first token
     decode_tok_s: float  # the SPEED_TOKENS tokens after it
     kv_bytes: (
         int | None
-    )  # the sequence's KV cache after the prompt, as the engine holds it (None: it does not say)
-    peak_rss_mb: float  # the measuring process's peak resident memory once this length is done
+    )  # the KV cache holding the whole window, as the engine holds it (None: it does not say)
+    peak_rss_mb: float  # the measuring process's peak resident memory during this window
 
 
 def speed_at_lengths(
-    runtime: Runtime, ids: list[int], lengths: list[int], peak_rss_mb: Callable[[], float]
+    runtime: Runtime,
+    ids: list[int],
+    lengths: list[int],
+    peak_rss_mb: Callable[[], float],
+    reset_peak: Callable[[], None] = lambda: None,
 ) -> list[LengthSpeed]:
     """Each length in turn, shortest first, through the engine's incremental sequence (the prompt in the slices a
-    chunked prefill would take; an ONNX graph's every-row logits then stay ~200 MB, not ~1.6 GB at 8 k)."""
+    chunked prefill would take; an ONNX graph's every-row logits then stay ~200 MB, not ~1.6 GB at 8 k). A window
+    of the model's positions fits: the decoded tokens are part of it. `reset_peak` before each window, so
+    `peak_rss_mb` after it is that window's."""
     results = []
     for length in sorted(lengths):
-        if length + SPEED_TOKENS > runtime.context_length:
+        if length > runtime.context_length or length <= SPEED_TOKENS:
             raise DataValidationError(
-                f"benchmark.long_prompt_tokens: {length} tokens and {SPEED_TOKENS} more, the model takes "
-                f"{runtime.context_length} positions"
+                f"benchmark.long_prompt_tokens: {length} tokens, the model takes {runtime.context_length} positions"
+                f" (and a window holds the {SPEED_TOKENS} tokens decoded at its end)"
             )
-        prompt, sequence = repeat_to_length(ids, length), runtime.sequence(length + SPEED_TOKENS)
+        prompt, sequence = repeat_to_length(ids, length - SPEED_TOKENS), runtime.sequence(length)
+        reset_peak()
         start = time.perf_counter()
-        for first in range(0, length - 1, SLICE_TOKENS):
-            sequence.extend(prompt[first : min(first + SLICE_TOKENS, length - 1)], every=False)
+        for first in range(0, len(prompt) - 1, SLICE_TOKENS):
+            sequence.extend(prompt[first : min(first + SLICE_TOKENS, len(prompt) - 1)], every=False)
         token = int(np.argmax(sequence.extend(prompt[-1:], every=False)[-1]))
-        ttft_s = time.perf_counter() - start
-        kv_bytes = sequence.kv_bytes() if hasattr(sequence, "kv_bytes") else None
-        started = time.perf_counter()
+        ttft_s, started = time.perf_counter() - start, time.perf_counter()
         for _ in range(SPEED_TOKENS):
             token = int(np.argmax(sequence.extend([token], every=False)[-1]))
         decode_s = time.perf_counter() - started
+        kv_bytes = sequence.kv_bytes() if hasattr(sequence, "kv_bytes") else None
         results.append(LengthSpeed(length, ttft_s * 1000, SPEED_TOKENS / decode_s, kv_bytes, peak_rss_mb()))
         del sequence
     return results

@@ -3,11 +3,11 @@
 Protocol (RULER's "needle in a haystack" sentence, which SmolLM2-135M answers where a pass-key phrasing misled it):
 in a document's first tokens, at `depth` of the haystack, the needle " One of the special magic numbers for <word>
 is: <key>. " is planted, and the window ends with the question "What is the special magic number for <word>
-mentioned in the provided text? The special magic number for <word> mentioned in the provided text is"; the window
-is exactly `length` tokens. The answer is read greedily (a few tokens more than the key needs) and is correct when
-its first number is the key. Keys and words are drawn from the seed, the document's name, the length and the depth,
-so every variant answers the same questions. The depths of one document and length share the haystack before the
-shallowest needle: the engine's sequence is rewound there, not refilled.
+mentioned in the provided text? The special magic number for <word> mentioned in the provided text is". The answer
+is read greedily (the key's tokens and EXTRA_TOKENS more; with it the window is exactly `length` tokens) and is
+correct when its first number is the key. Keys and words are drawn from the seed, the document's name and the
+length, so every variant answers the same questions. The depths of one document and length share the haystack
+before the shallowest needle: the engine's sequence is rewound there, not refilled.
 """
 
 from __future__ import annotations
@@ -98,11 +98,17 @@ def trials(name: str, length: int, cfg: LongContextConfig) -> list[Trial]:
     ]
 
 
+def answer_tokens(runtime: Runtime, trial: Trial) -> int:
+    """Tokens read for an answer: the key's own and EXTRA_TOKENS more."""
+    return len(runtime.encode(" " + trial.key)) + EXTRA_TOKENS
+
+
 def planted(runtime: Runtime, ids: list[int], length: int, trial: Trial) -> tuple[list[int], list[int]]:
-    """(haystack before the needle, needle + haystack after it + question): `length` tokens together."""
+    """(haystack before the needle, needle + haystack after it + question): with the answer read after them,
+    `length` tokens in all (so a window of the model's positions holds the answer too)."""
     needle = runtime.encode(NEEDLE.format(word=trial.word, key=trial.key))
     question = runtime.encode(QUESTION.format(word=trial.word))
-    room = length - len(needle) - len(question)
+    room = length - len(needle) - len(question) - answer_tokens(runtime, trial)
     if room < 1:
         raise DataValidationError(
             f"long_context.retrieval.lengths: {length} tokens cannot hold the question and its fact"
@@ -136,20 +142,20 @@ def _greedy(sequence, tokens: list[int], count: int) -> list[int]:
 def answer_document(runtime: Runtime, ids: list[int], length: int, facts: list[Trial]) -> list[str]:
     """Each fact's greedy answer in one engine sequence: the haystack up to the next needle is appended, the rest
     asked and answered, the sequence rewound to before that needle (a cache that cannot rewind, such as a sliding
-    window past its size, starts a fresh sequence per fact)."""
-    capacity = length + max(len(runtime.encode(" " + f.key)) for f in facts) + EXTRA_TOKENS
-    sequence = runtime.sequence(capacity)
-    answers, held = [], 0
+    window past its size or a quantized one, starts a fresh sequence per fact)."""
+    sequence, answers, held = runtime.sequence(length), [], 0
+    rewinds = getattr(sequence, "rewinds", True)
     for fact in facts:
         before, after = planted(runtime, ids, length, fact)
-        if held and not getattr(sequence, "rewinds", True):
-            sequence, held = runtime.sequence(capacity), 0
-        if len(before) > held:
-            _feed(sequence, before[held:])
+        if sequence.length and not rewinds:
+            sequence, held = runtime.sequence(length), 0
+        elif len(before) < held:  # the needle sits before what is held (a longer key or word left less room)
+            sequence.rewind(len(before))
             held = len(before)
-        reply = _greedy(sequence, after, len(runtime.encode(" " + fact.key)) + EXTRA_TOKENS)
-        answers.append(runtime.decode(reply))
-        if getattr(sequence, "rewinds", True):
+        _feed(sequence, before[held:])
+        held = len(before)
+        answers.append(runtime.decode(_greedy(sequence, after, answer_tokens(runtime, fact))))
+        if rewinds:
             sequence.rewind(held)
     return answers
 

@@ -43,11 +43,11 @@ def test_each_fact_is_answered_as_a_greedy_generation_of_its_whole_window(runtim
     answers = retrieval.answer_document(runtime, ids, 200, facts)  # one sequence, rewound between facts
     for fact, answer in zip(facts, answers, strict=True):
         before, after = retrieval.planted(runtime, ids, 200, fact)
-        assert len(before) + len(after) == 200
+        assert len(before) + len(after) + retrieval.answer_tokens(runtime, fact) == 200
         assert after[
             : len(runtime.encode(retrieval.NEEDLE.format(word=fact.word, key=fact.key)))
         ] == runtime.encode(retrieval.NEEDLE.format(word=fact.word, key=fact.key))
-        count = len(runtime.encode(" " + fact.key)) + retrieval.EXTRA_TOKENS
+        count = retrieval.answer_tokens(runtime, fact)
         (alone,) = runtime.generate([before + after], count, stop_at_eos=False)
         assert answer == runtime.decode(alone)
 
@@ -83,7 +83,7 @@ def copier(tmp_path_factory) -> dict[str, VariantEvaluation]:
     model = train_tiny_copier(root / "model")
     base = PreparedBase(model, folder_sha256(model), "copier")
     cfg = LongContextConfig(
-        documents=4, lengths=[96, 192], tail_tokens=32, retrieval=RetrievalConfig(key_digits=1)
+        documents=4, lengths=[96, 128], tail_tokens=32, retrieval=RetrievalConfig(key_digits=1)
     )
     documents = [(f"doc{n}", " ".join(filler_sentences(80, seed=100 + n))) for n in range(4)]
     answers = {}
@@ -96,7 +96,7 @@ def copier(tmp_path_factory) -> dict[str, VariantEvaluation]:
 
 def test_a_model_trained_to_copy_finds_every_planted_fact_and_a_forgetting_cache_misses_them(copier):
     found = retrieval_scores(copier["copier"])
-    assert [length for length, *_ in found] == [96, 192]
+    assert [length for length, *_ in found] == [96, 128]
     for score in found:
         assert all(accuracy >= 0.75 for accuracy in by_depth(score).values()), score
     assert sum(c for _, _, correct in found for c in correct) >= 22  # of 24
@@ -136,5 +136,5 @@ def test_the_document_qa_profile_refuses_the_forgetting_cache_and_keeps_the_copi
     assert not board.row("window").qualifies and not board.row("window").within_budget
     assert "planted facts found" in "; ".join(board.row("window").failures)
     metrics = board.metrics()["window"]
-    assert 0 <= metrics["retrieval_ctx192"] <= 0.5 and "retrieval_ctx96_depth0.1" in metrics
-    assert "facts@192 (by depth %)" in board.to_markdown()
+    assert 0 <= metrics["retrieval_ctx128"] <= 0.5 and "retrieval_ctx96_depth0.1" in metrics
+    assert "facts@128 (by depth %)" in board.to_markdown()

@@ -95,9 +95,12 @@ def test_too_few_long_documents_fail_validation_and_write_nothing(tmp_path):
 
 def test_a_window_longer_than_the_model_s_positions_is_named_before_anything_is_built(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
-    check_positions(LongContextConfig(lengths=[1024, 2048]), tmp_path)
+    check_positions("long_context.lengths", LongContextConfig(lengths=[1024, 2048]).longest, tmp_path)
     with pytest.raises(DataValidationError, match="long_context.lengths: 4096 tokens, the model takes 2048"):
-        check_positions(LongContextConfig(lengths=[1024, 4096]), tmp_path)
+        check_positions("long_context.lengths", LongContextConfig(lengths=[1024, 4096]).longest, tmp_path)
+    retrieval_longer = LongContextConfig(lengths=[1024], retrieval={"lengths": [1024, 4096]})
+    with pytest.raises(DataValidationError, match="4096 tokens, the model takes 2048"):
+        check_positions("long_context.lengths", retrieval_longer.longest, tmp_path)
 
 
 def test_the_leaderboard_pairs_each_length_with_the_baseline_and_has_no_columns_where_nothing_was_measured():
