@@ -144,9 +144,13 @@ def print_leaderboard(board) -> None:
         title=f"Leaderboard, objective {board.objective} (ppl budget +{board.max_ppl_increase:.0%} vs {board.baseline} "
         f"at {board.confidence:.0%} confidence; {board.legend()})"
     )
+    rows = table_cells(board)
     for column in table_columns(board):
-        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
-    for cells in table_cells(board):
+        # the variant's name never shortened (a wide table squeezes the figures' columns instead)
+        name = column == "variant"
+        width = max((len(cells[0]) for cells in rows), default=None) if name else None
+        table.add_column(column, justify="left" if name else "right", no_wrap=True, min_width=width)
+    for cells in rows:
         table.add_row(*cells)
     _wide_console().print(table)
 

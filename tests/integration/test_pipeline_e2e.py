@@ -42,7 +42,13 @@ def first_repro(
 ) -> tuple[ProjectStates, subprocess.CompletedProcess]:
     """The tiny project after its first `dvc repro` (kept as state "repro") and what that printed."""
     # long context on three corpus files, at windows the tiny model holds (its 512 positions)
-    long_context = {"source": str(corpus_dir), "documents": 3, "lengths": [128, 256], "tail_tokens": 32}
+    long_context = {
+        "source": str(corpus_dir),
+        "documents": 3,
+        "lengths": [128, 256],
+        "tail_tokens": 32,
+        "retrieval": {"lengths": [256]},  # 128 cannot hold the tiny tokenizer's question and a 5-digit answer
+    }
     params = tiny_params(
         tiny_model_dir, corpus_dir, long_context=long_context, benchmark={"long_prompt_tokens": [256]}
     )
