@@ -73,8 +73,9 @@ def prepare_inputs(config: Config, root: Path) -> tuple[PreparedBase, PreparedDa
     base = load_task(config, root)
     if config.long_context:  # before anything is built: the longest windows must fit the model
         check_positions("long_context.lengths", config.long_context.longest, base.path)
-    if config.benchmark.long_prompt_tokens:
-        check_positions("benchmark.long_prompt_tokens", max(config.benchmark.long_prompt_tokens), base.path)
+    for setting in ("long_prompt_tokens", "served_lengths"):
+        if lengths := getattr(config.benchmark, setting):
+            check_positions(f"benchmark.{setting}", max(lengths), base.path)
     return base, data_task(config, root)
 
 

@@ -34,6 +34,7 @@ class Limits:
     prefix_reuse: bool = True
     step_tokens: int = DEFAULT_STEP_TOKENS
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS
+    sequence_tokens: int | None = None
 
     @classmethod
     def of(cls, settings: ServeConfig) -> Limits:
@@ -44,6 +45,7 @@ class Limits:
             settings.prefix_reuse,
             settings.step_tokens,
             settings.prefix_cache_tokens,
+            settings.sequence_tokens,
         )
 
     def scheduler(self, runtime: Runtime, metrics: Any = None, own_thread: bool = True) -> Scheduler:
@@ -59,6 +61,7 @@ class Limits:
             self.step_tokens,
             self.prefix_cache_tokens,
             own_thread,
+            self.sequence_tokens,
         )
 
 

@@ -25,13 +25,7 @@ from typing import Any
 import numpy as np
 
 from serving.requests import GenerationRequest, QueueFull, SchedulerClosed
-from serving.sampling import (
-    adjusted_logits,
-    choose_token,
-    logprob,
-    prompt_scores,
-    top_logprobs,
-)
+from serving.sampling import adjusted_logits, choose_token, logprob, prompt_scores, top_logprobs
 from serving.speculative_steps import SpeculativeSteps
 from tasks.config import ServeConfig
 from tasks.engines import Runtime
@@ -79,6 +73,7 @@ class Scheduler(SpeculativeSteps):
         step_tokens: int = DEFAULT_STEP_TOKENS,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         own_thread: bool = True,
+        sequence_tokens: int | None = None,
     ) -> None:
         if step_tokens < max_batch:
             raise ValueError(f"step_tokens ({step_tokens}) must be at least max_batch ({max_batch})")
@@ -88,15 +83,16 @@ class Scheduler(SpeculativeSteps):
         self.step_tokens = step_tokens
         self.prefix_reuse = prefix_reuse  # for decoders that can (see serve.prefix_reuse)
         self.prefix_cache_tokens = prefix_cache_tokens  # ... and finished ones (serve.prefix_cache_tokens)
+        self.sequence_tokens = (
+            sequence_tokens  # one request's room where a decoder sizes it (serve.sequence_tokens)
+        )
         self.metrics = metrics  # serving.metrics.ServerMetrics, or None (tests of the scheduler alone)
         self.steps = 0  # engine calls so far (prompts run alone + batched steps)
         self.in_flight = 0  # requests submitted and not yet ended (queued, joining or running)
         self._queue: collections.deque[GenerationRequest] = collections.deque()
         self._wake = threading.Condition()
         self._closed = False
-        self._speculating: _Running | None = (
-            None  # the request whose proposer is current (see _speculative_step)
-        )
+        self._speculating: _Running | None = None  # the request whose proposer is current
         self._thread: threading.Thread | None = None
         # set once the worker has made its decoder: a decoder may time its engines then (the ONNX decoder's
         # bfloat16 probe), and the caller waits for it so that nothing of its own runs beside that measurement
@@ -179,6 +175,8 @@ class Scheduler(SpeculativeSteps):
         decoder = self.runtime.batch_decoder()
         decoder.rows, decoder.reuse_prefixes = self.max_batch, self.prefix_reuse
         decoder.retain_tokens = self.prefix_cache_tokens if self.prefix_reuse else 0
+        if self.sequence_tokens:
+            decoder.sequence_tokens = min(self.sequence_tokens, self.runtime.context_length)
         limit = getattr(decoder, "sequence_tokens", None)  # one request's room, where < the context
         self.request_tokens = min(limit, self.runtime.context_length) if limit else None
         # the first decoder sets up its rows ahead (one made after a failed step would only make requests wait)

@@ -145,6 +145,16 @@ class BenchmarkConfig(Strict):
     # Speed at long context (tasks/measure/long_context.py): one prompt of each length fed in slices, its time to the
     # first token, the decode speed after it, the KV cache's bytes and the peak memory then; empty: not measured
     long_prompt_tokens: list[Annotated[int, Field(ge=2, le=1_048_576)]] = []
+    # Served capacity by window length (tasks/measure/served.py `capacity_by_length`): bursts of each client count
+    # sending prompts cut from the long documents (prompt + answer = the length) until one misses the `slo`; empty:
+    # not measured. Every qualifying variant
+    served_lengths: list[Annotated[int, Field(ge=2, le=1_048_576)]] = []
+    served_length_clients: Annotated[list[Annotated[int, Field(ge=1, le=256)]], Field(min_length=1)] = [
+        1,
+        2,
+        4,
+        8,
+    ]
 
     def short(self) -> BenchmarkConfig:
         """The benchmark of a variant outside the accuracy budget (it can never be selected, it is still on the
@@ -155,6 +165,7 @@ class BenchmarkConfig(Strict):
         lengths = sorted({min(self.ttft_prompt_tokens), max(self.ttft_prompt_tokens)})
         update = {
             "served_clients": [],  # never selected: its served capacity would decide nothing
+            "served_lengths": [],
             "batch_sizes": batches,
             "ttft_prompt_tokens": lengths,
             "requests": max(1, self.requests // 3),

@@ -43,6 +43,10 @@ class ServeConfig(Strict):
     # ... and finished requests' K/V, least recently used out first, up to this many tokens (llama-server's
     # cache_prompt, vLLM's prefix caching; ONNX, torch: <= 1/4 of free memory); 0: from running requests only
     prefix_cache_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 16_384
+    # The most tokens one request holds, prompt and answer (longer requests get 400), where the engine sizes that
+    # room up front for every row (llama.cpp: a KV stream of this many cells per row of max_batch; None: 2048 there,
+    # the model's context elsewhere). Long documents need more: the document_qa profile sets the model's 8 192
+    sequence_tokens: Annotated[int, Field(ge=256, le=1_048_576)] | None = None
     request_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300.0  # queued + generating, then 504
     # Clients must send `Authorization: Bearer <key>` when this environment variable is set (and not empty).
     api_key_env: str = "LLMOPT_API_KEY"

@@ -205,6 +205,19 @@ class Config(Strict):
             raise ValueError(
                 "loadtest.prompt_source: long_documents draws prompts from long_context's documents: set it"
             )
+        if self.benchmark.served_lengths and (self.long_context is None or self.slo is None):
+            raise ValueError(
+                "benchmark.served_lengths cuts prompts from long_context's documents and counts the clients meeting "
+                "the slo: set both"
+            )
+        if (
+            self.benchmark.served_lengths
+            and min(self.benchmark.served_lengths) <= self.loadtest.max_tokens[1]
+        ):
+            raise ValueError(
+                f"benchmark.served_lengths: each window holds a prompt and an answer of up to "
+                f"loadtest.max_tokens[1] = {self.loadtest.max_tokens[1]} tokens; got {min(self.benchmark.served_lengths)}"
+            )
         if self.select.objective == "serving" and not self.benchmark.served_clients:
             raise ValueError(
                 "select.objective: serving ranks by served capacity: benchmark.served_clients must not be empty"

@@ -25,12 +25,33 @@ def served_top(board: Leaderboard) -> int | None:
     return max((level.concurrency for r in board.rows for level in r.score.served), default=None)
 
 
+def capacity_lengths(board: Leaderboard) -> list[int]:
+    """The window lengths any row's served capacity by length was measured at, ascending (empty: none)."""
+    return sorted({c.length for r in board.rows for c in r.score.served_by_length})
+
+
+def _kilo(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def _capacity_cell(score: VariantScore, lengths: list[int]) -> str:
+    """The largest burst meeting the SLO at each length: `4·2·1·0`."""
+    clients = {c.length: c.clients for c in score.served_by_length}
+    return (
+        "·".join(str(clients[n]) if n in clients else NOT_MEASURED for n in lengths)
+        if clients
+        else NOT_MEASURED
+    )
+
+
 def table_columns(board: Leaderboard) -> list[str]:
     """Column headers; the batched-speed column names the largest measured batch size, the served columns (where
     any row has them) the most clients."""
     top = max((r.score.top_batch()[0] for r in board.rows), default=1)
     clients = served_top(board)
     served = [] if clients is None else [f"c{clients} tok/s", f"c{clients} TTFT p95"]
+    lengths = capacity_lengths(board)
+    served += [f"clients in SLO @{'·'.join(map(_kilo, lengths))}"] if lengths else []
     longest, facts, prompt = (
         longest_measured(board.rows),
         longest_retrieval(board.rows),
@@ -67,6 +88,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
     cells, columns_top = [], max((r.score.top_batch()[0] for r in board.rows), default=1)
     clients, gpu, longest = served_top(board), _on_gpu(board), longest_measured(board.rows)
     facts, prompt = longest_retrieval(board.rows), longest_speed(board.rows)
+    lengths = capacity_lengths(board)
     for row in board.rows:
         s = row.score
         mark = (" ★" if s.variant == board.winner else "") + (" ◆" if row.on_frontier else "")
@@ -89,6 +111,7 @@ def table_cells(board: Leaderboard) -> list[list[str]]:
                 *([] if prompt is None else [speed_cell(s.speed_at_length, prompt)]),
                 NOT_MEASURED if s.short_benchmark else f"{s.latency_p95_ms:.0f}",
                 *([] if clients is None else _served_cells(s, clients)),
+                *([_capacity_cell(s, lengths)] if lengths else []),
                 f"{s.roofline_fraction:.0%}",
                 f"{s.size_bytes / 1e6:.0f}",
                 f"{s.peak_rss_mb:.0f}",

@@ -29,7 +29,7 @@ from tasks.errors import ComparisonError
 from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.measure.long_context import LengthSpeed
-from tasks.measure.served import LevelResult, served_metrics
+from tasks.measure.served import LengthCapacity, LevelResult, capacity_metrics, served_metrics
 from tasks.measure.speculation import StyleSpeed
 from tasks.params import is_peer_recipe
 
@@ -66,6 +66,7 @@ class VariantScore:
     long_context: tuple[LengthScore, ...] = ()  # by window length (tasks/decide/long_context.py; empty: none)
     retrieval: tuple[RetrievalScore, ...] = ()  # the planted facts' answers by window length (empty: none)
     speed_at_length: tuple[LengthSpeed, ...] = ()  # benchmark.long_prompt_tokens (empty: not measured)
+    served_by_length: tuple[LengthCapacity, ...] = ()  # benchmark.served_lengths (empty: not measured)
 
     @property
     def memory_mb(self) -> float:
@@ -122,6 +123,7 @@ def variant_score(
         long_context=length_scores(evaluation),
         retrieval=retrieval_scores(evaluation),
         speed_at_length=tuple(bench.long_context or ()),
+        served_by_length=tuple(bench.served_by_length or ()),
     )
 
 
@@ -214,6 +216,7 @@ class Leaderboard:
                 **length_metrics(row.long_context),
                 **retrieval_metrics(row.score.retrieval),
                 **speed_metrics(row.score.speed_at_length),
+                **capacity_metrics(row.score.served_by_length),
             }
             for row in self.rows
         }

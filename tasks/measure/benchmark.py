@@ -11,7 +11,6 @@ and serving use.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import statistics
@@ -25,8 +24,17 @@ from tasks.config import BenchmarkConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.failpoints import failpoint
 from tasks.measure.long_context import LengthSpeed, speed_at_lengths
+from tasks.measure.processes import peak_rss_mb as process_peak_mb
+from tasks.measure.processes import reset_peak_rss, rss_mb
 from tasks.measure.sampling import median_interval, repeat_to_length
-from tasks.measure.served import LevelResult, ServedPlan, served_capacity
+from tasks.measure.served import (
+    LengthCapacity,
+    LevelResult,
+    ServedPlan,
+    capacity_by_length,
+    capacity_from_dict,
+    served_capacity,
+)
 from tasks.measure.speculation import StyleSpeed, measure_speculation
 
 
@@ -80,6 +88,8 @@ class BenchmarkResult:
     served: list[LevelResult] | None = None
     served_peak_rss_mb: float | None = None
     long_context: list[LengthSpeed] | None = None  # at benchmark.long_prompt_tokens, after everything above
+    # served capacity by window length (benchmark.served_lengths), last; None: not measured (as `served`)
+    served_by_length: list[LengthCapacity] | None = None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".onnx", ".onnx.data", ".data", ".pt", ".bin", ".gguf")
@@ -235,7 +245,7 @@ def benchmark_variant(
     """Load the variant on the `target` and measure TTFT, decode speed per batch size and latency over the request
     set (every timed call returns token ids to the host, so a GPU's queued work is inside the timing); with a
     `served` plan, then its served capacity at each of `cfg.served_clients`."""
-    rss_before, device = _rss_mb(), target.device
+    rss_before, device = rss_mb(), target.device
     gpu = device.startswith("cuda")
     if gpu:
         import torch
@@ -261,13 +271,19 @@ def benchmark_variant(
         speculation = measure_speculation(
             runtime, ids, cfg.prompt_tokens, cfg.new_tokens, cfg.warmup, cfg.repeats
         )
-    peak_rss_mb = _peak_rss_mb()
+    peak_rss_mb = process_peak_mb()
     peak_gpu_mb = torch.cuda.max_memory_allocated(device) / 2**20 if gpu else None
     levels = None
     if served is not None and cfg.served_clients:
         levels = served_capacity(runtime, served, cfg.served_clients)
-    served_peak = _peak_rss_mb() if levels is not None else None
-    at_length = speed_at_lengths(runtime, ids, cfg.long_prompt_tokens, _peak_rss_mb, _reset_peak_rss) or None
+    served_peak = process_peak_mb() if levels is not None else None
+    at_length = (
+        speed_at_lengths(runtime, ids, cfg.long_prompt_tokens, process_peak_mb, reset_peak_rss) or None
+    )
+    by_length = None
+    if served is not None and served.lengths and cfg.served_lengths:
+        alone = {s.length: s.ttft_ms for s in at_length or ()}
+        by_length = capacity_by_length(runtime, served, process_peak_mb, reset_peak_rss, alone)
     return BenchmarkResult(
         load_s=load_s,
         ttft_ms=single.ttft_ms,
@@ -294,6 +310,7 @@ def benchmark_variant(
         served=levels,
         served_peak_rss_mb=served_peak,
         long_context=at_length,
+        served_by_length=by_length,
     )
 
 
@@ -399,6 +416,8 @@ def benchmark_in_fresh_process(
         result["served"] = [LevelResult(**level) for level in result["served"]]
     if result["long_context"] is not None:
         result["long_context"] = [LengthSpeed(**length) for length in result["long_context"]]
+    if result["served_by_length"] is not None:
+        result["served_by_length"] = [capacity_from_dict(c) for c in result["served_by_length"]]
     return BenchmarkResult(**result)
 
 
@@ -412,29 +431,3 @@ def _benchmark_as_dict(
         Path(folder), BenchmarkConfig(**cfg), prompt_text, TargetConfig(**target), served
     )
     return asdict(result)
-
-
-def _peak_rss_mb() -> float:
-    """High-water resident memory of this process image.
-
-    VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over fork and exec, so a spawned child would
-    report its parent's peak (the evaluation model) instead of its own.
-    """
-    return _proc_status_kib("VmHWM") / 1024
-
-
-def _reset_peak_rss() -> None:
-    """Start VmHWM afresh from the current resident memory (Linux: "5" to clear_refs); a no-op where refused."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def _rss_mb() -> float:
-    return _proc_status_kib("VmRSS") / 1024
-
-
-def _proc_status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}; peak memory needs Linux")

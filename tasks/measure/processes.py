@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.context
 import os
+from pathlib import Path
 
 # What a torch variant's process imports before it can load one: transformers' model code, ~5-10 s on 2 cores
 TORCH_PRELOAD = (
@@ -38,3 +40,29 @@ def take_parents_environment(environment: dict[str, str], to_log_file: bool = Tr
     os.environ.update(environment)
     if to_log_file:
         output_to_log_file()
+
+
+def peak_rss_mb() -> float:
+    """High-water resident memory of this process image.
+
+    VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over fork and exec, so a spawned child would
+    report its parent's peak (the evaluation model) instead of its own.
+    """
+    return proc_status_kib("VmHWM") / 1024
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM afresh from the current resident memory (Linux: "5" to clear_refs); a no-op where refused."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def rss_mb() -> float:
+    return proc_status_kib("VmRSS") / 1024
+
+
+def proc_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}; peak memory needs Linux")

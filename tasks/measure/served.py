@@ -21,6 +21,7 @@ from serving.models import Limits
 from serving.requests import GenerationRequest
 from serving.sampling import Sampling
 from tasks.config import LoadtestConfig, SloConfig
+from tasks.errors import DataValidationError
 from tasks.params import Config
 
 
@@ -28,6 +29,9 @@ from tasks.params import Config
 class LoadRequest:
     prompt: str
     max_tokens: int
+    tokens: int | None = (
+        None  # the prompt cut to its first this many tokens (served lengths); None: all of it
+    )
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,9 @@ class ServedPlan:
     requests: tuple[LoadRequest, ...]
     limits: Limits
     slo: SloConfig | None = None
+    # benchmark.served_lengths: per window length, the requests of its largest burst (a burst of c takes the first c)
+    lengths: tuple[tuple[int, tuple[LoadRequest, ...]], ...] = ()
+    length_clients: tuple[int, ...] = ()  # benchmark.served_length_clients, ascending
 
 
 def prompt_passages(config: Config, data: Path) -> list[str]:
@@ -204,11 +211,57 @@ def served_plan(config: Config, data: Path) -> ServedPlan | None:
     """The benchmark's served measurement for this configuration: the load test's request mix (its seed, prompt
     lengths and budgets; `benchmark.served_requests` of them) and `serve`'s scheduler settings; None when
     `benchmark.served_clients` is empty."""
-    if not config.benchmark.served_clients:
+    bench = config.benchmark
+    if not bench.served_clients and not bench.served_lengths:
         return None
-    mix = config.loadtest.model_copy(update={"requests_per_level": config.benchmark.served_requests})
-    requests = request_set(prompt_passages(config, data), mix, config.serve.max_new_tokens)
-    return ServedPlan(tuple(requests), Limits.of(config.serve), config.slo)
+    mix = config.loadtest.model_copy(update={"requests_per_level": bench.served_requests})
+    requests = (
+        request_set(prompt_passages(config, data), mix, config.serve.max_new_tokens)
+        if bench.served_clients
+        else []
+    )
+    lengths = ()
+    if bench.served_lengths:
+        from tasks.inputs.long_documents import read_prepared
+
+        documents = [text for _, text in read_prepared(data)]
+        clients = max(bench.served_length_clients)
+        lengths = tuple(
+            (
+                length,
+                tuple(
+                    length_requests(documents, length, clients, config.loadtest, config.serve.max_new_tokens)
+                ),
+            )
+            for length in bench.served_lengths
+        )
+    return ServedPlan(
+        tuple(requests),
+        Limits.of(config.serve),
+        config.slo,
+        lengths,
+        tuple(sorted(bench.served_length_clients)),
+    )
+
+
+def length_requests(
+    documents: list[str], length: int, count: int, cfg: LoadtestConfig, server_cap: int
+) -> list[LoadRequest]:
+    """`count` requests whose prompt and answer fill a window of `length` tokens: each a seeded document's words
+    from a seeded word on (no two requests share a start), cut to `length` - budget tokens when encoded, the budget
+    drawn from `loadtest.max_tokens` (capped at `serve.max_new_tokens`). A word is at least one token, so `length`
+    words hold the prompt."""
+    rng = np.random.default_rng([cfg.seed, length])
+    usable = [words for words in (text.split() for text in documents) if len(words) >= length]
+    if not usable:
+        raise DataValidationError(f"benchmark.served_lengths: no long document has {length} words")
+    requests = []
+    for _ in range(count):
+        words = usable[int(rng.integers(len(usable)))]
+        start = int(rng.integers(len(words) - length + 1))
+        budget = min(int(rng.integers(cfg.max_tokens[0], cfg.max_tokens[1] + 1)), server_cap)
+        requests.append(LoadRequest(" ".join(words[start : start + length]), budget, length - budget))
+    return requests
 
 
 def replay(
@@ -226,7 +279,7 @@ def replay(
     same work for every variant)."""
     eos = runtime.eos_token_id
     stops = frozenset() if eos is None or not stop_at_eos else frozenset({eos})
-    prompts = [runtime.encode(request.prompt) for request in requests]
+    prompts = [_prompt_ids(runtime, request) for request in requests]
     # the model steps on this thread, the clients' side runs on another (see `Scheduler.run`)
     scheduler = replace(limits, max_queue=max(len(requests), 1)).scheduler(runtime, own_thread=False)
     lock, pending = threading.Lock(), list(range(len(requests)))
@@ -305,6 +358,15 @@ def replay(
     return outcomes, result["wall"]
 
 
+def _prompt_ids(runtime: Any, request: LoadRequest) -> list[int]:
+    ids = runtime.encode(request.prompt)
+    if request.tokens is None:
+        return ids
+    if len(ids) < request.tokens:
+        raise DataValidationError(f"a served-length prompt has {len(ids)} tokens, under {request.tokens}")
+    return ids[: request.tokens]
+
+
 def served_capacity(runtime: Any, plan: ServedPlan, clients: list[int]) -> list[LevelResult]:
     """The plan's requests replayed at each client count (every request to its budget), summarized as the load
     test summarizes a level (goodput against the plan's SLO)."""
@@ -313,3 +375,69 @@ def served_capacity(runtime: Any, plan: ServedPlan, clients: list[int]) -> list[
         outcomes, wall = replay(runtime, plan.requests, count, plan.limits, stop_at_eos=False)
         levels.append(summarize(count, outcomes, wall, slo=plan.slo))
     return levels
+
+
+@dataclass(frozen=True)
+class LengthCapacity:
+    """Served capacity at one window length (`benchmark.served_lengths`): bursts of 1, 2, 4 … clients sending
+    prompts of that length at once, each burst on a fresh scheduler, until one misses the SLO."""
+
+    length: int
+    clients: int  # the largest burst whose every p95 met the SLO (0: not even one request alone)
+    levels: tuple[LevelResult, ...]  # each burst measured, ascending (empty: a shorter length missed alone)
+    peak_rss_mb: tuple[float, ...]  # the measuring process's peak resident memory during each burst
+
+
+def capacity_by_length(
+    runtime: Any,
+    plan: ServedPlan,
+    peak_rss_mb: Any = lambda: float("nan"),
+    reset_peak: Any = lambda: None,
+    alone_ttft_ms: dict[int, float] | None = None,
+) -> list[LengthCapacity]:
+    """Each length of the plan, shortest first: a burst of c requests (the length's first c) through a fresh
+    scheduler with the serve settings, every request to its budget, for c in `length_clients` ascending; a burst
+    that misses the SLO ends the length (a larger one would queue longer), and a length whose single request misses
+    ends the sweep (a longer prompt takes longer). So does a length whose time to the first token measured alone
+    (`alone_ttft_ms`, the benchmark's speed at length) is over the SLO's already: not served. `reset_peak` before
+    each burst, `peak_rss_mb` after it."""
+    results, missed_alone, alone = [], False, alone_ttft_ms or {}
+    for length, requests in sorted(plan.lengths):
+        bound = plan.slo.ttft_p95_ms if plan.slo is not None else None
+        missed_alone = missed_alone or (bound is not None and alone.get(length, 0.0) > bound)
+        levels, peaks, best = [], [], 0
+        for count in [] if missed_alone else plan.length_clients:
+            reset_peak()
+            outcomes, wall = replay(runtime, requests[:count], count, plan.limits, stop_at_eos=False)
+            levels.append(summarize(count, outcomes, wall, slo=plan.slo))
+            peaks.append(peak_rss_mb())
+            if plan.slo is None or not levels[-1].meets(plan.slo):
+                break
+            best = count
+        missed_alone = missed_alone or best == 0
+        results.append(LengthCapacity(length, best, tuple(levels), tuple(peaks)))
+    return results
+
+
+def capacity_metrics(capacities: tuple[LengthCapacity, ...] | list[LengthCapacity]) -> dict[str, float]:
+    """`served_clients_ctx<L>` (the largest burst meeting the SLO) and per burst measured `served_ttft_p95_ms_ctx<L>_c<c>`,
+    `served_tpot_p95_ms_ctx<L>_c<c>`, `served_tok_s_ctx<L>_c<c>`, `served_peak_rss_mb_ctx<L>_c<c>`."""
+    metrics: dict[str, float] = {}
+    for capacity in capacities:
+        metrics[f"served_clients_ctx{capacity.length}"] = capacity.clients
+        for level, peak in zip(capacity.levels, capacity.peak_rss_mb, strict=True):
+            key = f"ctx{capacity.length}_c{level.concurrency}"
+            values = {
+                f"served_ttft_p95_ms_{key}": round(level.ttft_p95_ms, 1),
+                f"served_tpot_p95_ms_{key}": round(level.tpot_p95_ms, 2),
+                f"served_tok_s_{key}": round(level.tok_s, 2),
+                f"served_peak_rss_mb_{key}": round(peak, 1),
+            }
+            metrics |= {name: value for name, value in values.items() if value == value}
+    return metrics
+
+
+def capacity_from_dict(data: dict) -> LengthCapacity:
+    """A `LengthCapacity` back from `dataclasses.asdict` (across the benchmark's process boundary)."""
+    levels = tuple(LevelResult(**level) for level in data["levels"])
+    return LengthCapacity(data["length"], data["clients"], levels, tuple(data["peak_rss_mb"]))

@@ -22,7 +22,7 @@ from tasks.engines.manifest import VariantManifest
 from tasks.errors import exception_chain
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
-from tasks.measure.served import served_metrics
+from tasks.measure.served import capacity_metrics, served_metrics
 from tasks.params import Config
 from tasks.report.plots import precision_plot
 from tasks.report.recipe_params import flatten as _flatten
@@ -307,8 +307,9 @@ def _create_variant_run(client: Any, experiment_id: str, parent_run_id: str, nam
 
 
 def _served_metrics(bench: BenchmarkResult) -> dict[str, float]:
-    """Served capacity per client count (the leaderboard's names), and the serving decoder's peak memory."""
-    metrics = served_metrics(bench.served or ())
+    """Served capacity per client count and by window length (the leaderboard's names), and the serving decoder's
+    peak memory."""
+    metrics = served_metrics(bench.served or ()) | capacity_metrics(bench.served_by_length or ())
     if bench.served_peak_rss_mb is not None:
         metrics["served_peak_rss_mb"] = bench.served_peak_rss_mb
     return metrics

@@ -99,3 +99,63 @@ def test_speed_at_length_reports_each_window_and_a_kv_cache_holding_it(runtime):
         assert 128 * 2 * (s.length - 1) <= s.kv_bytes <= 128 * 4 * s.length * 1.02, s
     with pytest.raises(DataValidationError, match="long_prompt_tokens: 1024 tokens, the model takes 512"):
         long_context.speed_at_lengths(runtime, ids, [1024], lambda: 0.0)
+
+
+def test_served_capacity_by_length_counts_the_largest_burst_meeting_the_slo_and_stops_at_a_miss(runtime):
+    from dataclasses import replace
+
+    from serving.models import Limits
+    from tasks.config import LoadtestConfig, SloConfig
+    from tasks.measure.served import ServedPlan, capacity_by_length, capacity_metrics, length_requests
+
+    documents = [" ".join(synthetic_sentences(60, seed=seed)) for seed in (1, 2)]
+    mix = LoadtestConfig(max_tokens=[4, 8], seed=3)
+    lengths = tuple((n, tuple(length_requests(documents, n, 2, mix, 64))) for n in (128, 256))
+    for length, requests in lengths:  # prompt + answer fill the window; seeded, so every variant gets them
+        assert all(r.tokens + r.max_tokens == length and 4 <= r.max_tokens <= 8 for r in requests)
+        assert len({r.prompt for r in requests}) == 2
+        assert requests == tuple(length_requests(documents, length, 2, mix, 64))
+    limits = Limits(max_batch=4, max_queue=4, step_tokens=64)
+    plan = ServedPlan((), limits, SloConfig(ttft_p95_ms=600_000), lengths, (1, 2))
+    peaks = iter(range(100, 200))
+    generous = capacity_by_length(runtime, plan, lambda: float(next(peaks)))
+    assert [(c.length, c.clients, [lvl.concurrency for lvl in c.levels]) for c in generous] == [
+        (128, 2, [1, 2]),
+        (256, 2, [1, 2]),
+    ]
+    assert all(lvl.errors == 0 and lvl.tok_s > 0 for c in generous for lvl in c.levels)
+    # every request ran to its budget: the tokens of a burst are its requests' budgets
+    first = generous[0].levels[1]
+    assert first.tok_s * first.wall_s == pytest.approx(sum(r.max_tokens for r in lengths[0][1]))
+    metrics = capacity_metrics(generous)
+    assert metrics["served_clients_ctx256"] == 2 and metrics["served_peak_rss_mb_ctx128_c1"] == 100.0
+    # an SLO nobody meets: the shortest length's single request misses, the longer length is not served at all
+    missed = capacity_by_length(runtime, replace(plan, slo=SloConfig(ttft_p95_ms=1e-6)))
+    assert [(c.clients, len(c.levels)) for c in missed] == [(0, 1), (0, 0)]
+    assert capacity_metrics(missed)["served_clients_ctx256"] == 0
+    with pytest.raises(DataValidationError, match="no long document has 100000 words"):
+        length_requests(documents, 100_000, 1, mix, 64)
+    # a length whose single request took longer to its first token than the SLO allows, alone: not served at all
+    skipped = capacity_by_length(
+        runtime, replace(plan, slo=SloConfig(ttft_p95_ms=600_000)), alone_ttft_ms={256: 700_000.0}
+    )
+    assert [len(c.levels) for c in skipped] == [2, 0] and skipped[1].clients == 0
+
+
+def test_serve_sequence_tokens_sizes_one_requests_room_in_every_engine(runtime):
+    from serving.models import Limits
+
+    for room in (256, None):
+        scheduler = Limits(max_batch=2, max_queue=2, step_tokens=64, sequence_tokens=room).scheduler(runtime)
+        try:
+            decoder = scheduler._decoder()
+            if room is not None:  # the request's room, and the stream llama.cpp sizes for each row
+                assert decoder.sequence_tokens == scheduler.request_tokens == 256
+            elif type(decoder).__name__.startswith(
+                "LlamaCpp"
+            ):  # 2 048 cells, or the model's context if smaller
+                assert decoder.sequence_tokens == scheduler.request_tokens == runtime.context_length
+            else:  # the cache grows: the model's context
+                assert scheduler.request_tokens is None
+        finally:
+            scheduler.close()

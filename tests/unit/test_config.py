@@ -226,6 +226,7 @@ def test_repository_document_qa_profile_measures_long_context_and_its_kv_setting
     settings = {name: v.runtime for name, v in config.variants.items()}
     assert any(s.kv_cache == "quantized" for s in settings.values())
     assert any(s.sliding_window for s in settings.values())
+    assert config.benchmark.served_lengths == [1024, 2048, 4096, 8192] and config.slo is not None
 
 
 def test_repository_full_profile_loads_and_enables_every_step_kind():

@@ -184,3 +184,27 @@ def test_load_test_prompts_come_from_the_long_documents_only_where_there_are_som
     )
     (tmp_path / FILE).write_text(json.dumps({"name": "Ruth", "text": "And it came to pass"}) + "\n")
     assert prompt_passages(load_config(tmp_path / "params.yaml"), tmp_path) == ["And it came to pass"]
+
+
+def test_served_lengths_need_the_long_documents_an_slo_and_room_for_the_answer(tmp_path):
+    from tasks.errors import ConfigError
+    from tasks.measure.served import served_plan
+    from tasks.params_file import load_config
+
+    params = tmp_path / "params.yaml"
+    base = "variants: {baseline: {}}\nbenchmark: {served_clients: [], served_lengths: [%s]}\n"
+    for extra in ("long_context: {}\n", "slo: {ttft_p95_ms: 1000}\n"):
+        params.write_text(base % "1024" + extra)
+        with pytest.raises(ConfigError, match="served_lengths cuts prompts from long_context's documents"):
+            load_config(params)
+    both = "long_context: {}\nslo: {ttft_p95_ms: 1000}\nloadtest: {max_tokens: [16, 64]}\n"
+    params.write_text(base % "64" + both)
+    with pytest.raises(ConfigError, match="up to loadtest.max_tokens.1. = 64 tokens; got 64"):
+        load_config(params)
+    params.write_text(base % "128, 96" + both)
+    words = " ".join(f"w{i}" for i in range(200))
+    (tmp_path / FILE).write_text(json.dumps({"name": "Ruth", "text": words}) + "\n")
+    plan = served_plan(load_config(params), tmp_path)
+    assert plan.requests == () and plan.length_clients == (1, 2, 4, 8)
+    assert [(n, len(requests)) for n, requests in plan.lengths] == [(128, 8), (96, 8)]
+    assert all(r.tokens == n - r.max_tokens for n, requests in plan.lengths for r in requests)
