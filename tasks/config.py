@@ -249,8 +249,8 @@ class SpeculativeSettings(Strict):
 
 
 class RuntimeSettings(Strict):
-    """How the variant runs (not its weights). Everything but dtype and speculative applies to the torch engine
-    only."""
+    """How the variant runs (not its weights). Everything but dtype, threads, speculative and kv_cache_type (llama.cpp's)
+    applies to the torch engine only."""
 
     RECORDED_DEFAULTS = frozenset({"dtype"})
     dtype: Dtype = "float32"
@@ -262,6 +262,8 @@ class RuntimeSettings(Strict):
     kv_cache: Literal["dynamic", "static", "quantized"] = "dynamic"  # dynamic: grows with the text
     kv_cache_bits: Literal[2, 4] = 4  # kv_cache: quantized (quanto backend)
     sliding_window: Annotated[int, Field(ge=8)] | None = None  # attend to (and cache) only the last N tokens
+    # llama.cpp's key and value cache type (type_k / type_v; llama_cpp variants only): f16 is llama.cpp's default
+    kv_cache_type: Literal["f16", "q8_0", "q4_0"] = "f16"
     threads: Annotated[int, Field(ge=1, le=1024)] | None = None  # None: target.threads
     # The torch engine's inference wrapper: none (eager transformers) or DeepSpeed's init_inference.
     wrapper: Literal["none", "deepspeed"] = "none"
@@ -273,7 +275,7 @@ class RuntimeSettings(Strict):
     speculative: SpeculativeSettings | None = None
     # Settings added after build keys were first recorded: they enter `identity` only when not at their default,
     # so variants that do not use them keep their keys.
-    ADDED_LATER: ClassVar[dict[str, Any]] = {"compile": False, "speculative": None}
+    ADDED_LATER: ClassVar[dict[str, Any]] = {"compile": False, "speculative": None, "kv_cache_type": "f16"}
     FORMER: ClassVar[dict[str, Former]] = {
         "engine": Former(
             "wrapper",

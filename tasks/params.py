@@ -104,6 +104,11 @@ class VariantConfig(Strict):
                     f"runtime.{self.runtime.torch_only()[0]} applies to the torch engine; {export} variants "
                     f"run in {engine} (only runtime.threads applies there)"
                 )
+        if self.runtime.kv_cache_type != "f16" and "llama_cpp" not in kinds:
+            raise ValueError(
+                "runtime.kv_cache_type is llama.cpp's KV cache type (a llama_cpp variant's); the torch engine "
+                "quantizes its cache with kv_cache: quantized"
+            )
         if self.peer and len(self.steps) > 1:
             peer = next(step.kind for step in self.steps if not step.technique.needs_model(step.settings))
             raise ValueError(f"{peer} {registry.technique(peer).peer_note}; it takes no other steps")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +25,13 @@ from tasks.measure.sampling import repeat_to_length
 
 SLICE_TOKENS = 1024  # context tokens per engine call (bounds the activations of one call)
 ROWS = 64  # tail rows of logits per log-softmax
+
+
+def feed(sequence: Any, tokens: list[int]) -> None:
+    """Append `tokens` to an engine's sequence in slices of SLICE_TOKENS, their logits not kept (an engine may
+    compute every row's: ~200 MB a slice for a 49 k vocabulary)."""
+    for start in range(0, len(tokens), SLICE_TOKENS):
+        sequence.extend(tokens[start : start + SLICE_TOKENS], every=False)
 
 
 def tail_windows(ids: list[int], cfg: LongContextConfig) -> dict[int, list[int]]:
@@ -37,8 +45,7 @@ def tail_nll(runtime: Runtime, window: list[int], tail: int) -> tuple[float, int
     before it in the window."""
     context = len(window) - tail
     sequence = runtime.sequence(len(window))
-    for start in range(0, context - 1, SLICE_TOKENS):
-        sequence.extend(window[start : min(start + SLICE_TOKENS, context - 1)], every=False)
+    feed(sequence, window[: context - 1])
     logits = sequence.extend(window[context - 1 : -1], every=True)
     targets, total = window[context:], 0.0
     for start in range(0, tail, ROWS):  # a float64 copy of a few rows at a time, not of tail x vocabulary
@@ -121,8 +128,7 @@ def speed_at_lengths(
         prompt, sequence = repeat_to_length(ids, length - SPEED_TOKENS), runtime.sequence(length)
         reset_peak()
         start = time.perf_counter()
-        for first in range(0, len(prompt) - 1, SLICE_TOKENS):
-            sequence.extend(prompt[first : min(first + SLICE_TOKENS, len(prompt) - 1)], every=False)
+        feed(sequence, prompt[:-1])
         token = int(np.argmax(sequence.extend(prompt[-1:], every=False)[-1]))
         ttft_s, started = time.perf_counter() - start, time.perf_counter()
         for _ in range(SPEED_TOKENS):

@@ -22,7 +22,7 @@ import numpy as np
 from tasks.config import LongContextConfig
 from tasks.engines import Runtime
 from tasks.errors import DataValidationError
-from tasks.measure.long_context import SLICE_TOKENS
+from tasks.measure.long_context import feed
 
 WORDS = [
     "apple",
@@ -123,14 +123,8 @@ def correct(answer: str, key: str) -> bool:
     return number is not None and number.group() == key
 
 
-def _feed(sequence, tokens: list[int]) -> None:
-    """Append `tokens` in slices of SLICE_TOKENS (an engine may compute every row's logits: ~200 MB a slice)."""
-    for start in range(0, len(tokens), SLICE_TOKENS):
-        sequence.extend(tokens[start : start + SLICE_TOKENS], every=False)
-
-
 def _greedy(sequence, tokens: list[int], count: int) -> list[int]:
-    _feed(sequence, tokens[:-1])
+    feed(sequence, tokens[:-1])
     logits, out = sequence.extend(tokens[-1:], every=False), []
     while True:
         out.append(int(np.argmax(logits[-1])))
@@ -152,7 +146,7 @@ def answer_document(runtime: Runtime, ids: list[int], length: int, facts: list[T
         elif len(before) < held:  # the needle sits before what is held (a longer key or word left less room)
             sequence.rewind(len(before))
             held = len(before)
-        _feed(sequence, before[held:])
+        feed(sequence, before[held:])
         held = len(before)
         answers.append(runtime.decode(_greedy(sequence, after, answer_tokens(runtime, fact))))
         if rewinds:

@@ -16,7 +16,7 @@ from tasks.engines import load_runtime
 from tasks.errors import DataValidationError
 from tasks.inputs.load import PreparedBase
 from tasks.local_files import folder_sha256
-from tasks.measure import retrieval
+from tasks.measure import long_context, retrieval
 from tasks.measure.evaluate import VariantEvaluation, evaluate_retrieval
 from tasks.params import VariantConfig
 from tasks.params_file import load_config
@@ -34,7 +34,9 @@ def runtime(request, tiny_engine_dir):
 
 
 def test_each_fact_is_answered_as_a_greedy_generation_of_its_whole_window(runtime, monkeypatch):
-    monkeypatch.setattr(retrieval, "SLICE_TOKENS", 37)  # the haystack in several calls, the last one partial
+    monkeypatch.setattr(
+        long_context, "SLICE_TOKENS", 37
+    )  # the haystack in several calls, the last one partial
     cfg = LongContextConfig(
         documents=2, lengths=[200], tail_tokens=32, retrieval=RetrievalConfig(key_digits=3)
     )

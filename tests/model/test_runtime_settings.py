@@ -154,3 +154,58 @@ def test_the_efficient_kernel_gets_repeated_key_value_heads_with_the_same_attent
     assert seen and not any(seen)
     for a, b in zip(grouped, repeated, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """A tiny Llama whose heads are 32 wide (llama.cpp quantizes its cache in blocks of 32 values of a head), as
+    llama.cpp F32 GGUFs with each cache type."""
+    from tasks.local_files import folder_sha256
+    from tests.factories import build_tiny_llama, synthetic_sentences
+
+    root = tmp_path_factory.mktemp("wide-heads")
+    model = build_tiny_llama(
+        root / "hf", synthetic_sentences(200, seed=0), head_dim=32, num_attention_heads=2
+    )
+    base = PreparedBase(model, folder_sha256(model), "wide")
+    runtimes = {}
+    for kind in ("f16", "q8_0", "q4_0"):
+        recipe = {"steps": [{"llama_cpp": {"type": "F32"}}], "runtime": {"kv_cache_type": kind}}
+        build_variant(kind, VariantConfig.model_validate(recipe), base, "d", root / kind)
+        runtimes[kind] = load_runtime(root / kind, TargetConfig(threads=1))
+    return runtimes
+
+
+@pytest.mark.parametrize(("kind", "bytes_per_value"), [("q8_0", 34 / 32), ("q4_0", 18 / 32)])
+def test_llama_cpp_kv_cache_type_quantizes_its_cache_and_scores_close_to_f16(
+    wide_heads, kind, bytes_per_value
+):
+    ids = [(7 * i + 3) % 200 + 10 for i in range(300)]
+    held = {}
+    for name in ("f16", kind):
+        sequence = wide_heads[name].sequence(512)
+        sequence.extend(ids, every=False)
+        held[name] = sequence.kv_bytes()
+        del sequence
+    # the cache's keys and values per token: f16's 2 bytes a value, blocks of 32 values in 34 or 18 bytes (and a
+    # few bytes per cell of positions, which weigh on a model this small: ~6 % of q4_0's 144 bytes a token)
+    assert bytes_per_value / 2 <= held[kind] / held["f16"] <= bytes_per_value / 2 * 1.1
+    (plain, count), (quantized, _) = wide_heads["f16"].score([ids])[0], wide_heads[kind].score([ids])[0]
+    assert quantized != plain and quantized / count == pytest.approx(plain / count, rel=0.05)
+
+
+def test_a_cache_type_the_models_heads_cannot_take_is_named_by_llama_cpp(tiny_engine_dir, tmp_path):
+    import json
+    import shutil
+
+    from tasks.errors import EngineError
+
+    folder = tmp_path / "q8_0"  # the tiny model's heads are 16 wide: not a block of 32
+    shutil.copytree(tiny_engine_dir("llama.cpp"), folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["recipe"]["runtime"] = {"kv_cache_type": "q8_0"}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="block size 32 does not divide n_embd_head_k=16"):
+        load_runtime(folder, TargetConfig(threads=1)).score([[5, 6, 7]])
+    with pytest.raises(ValueError, match="kv_cache_type is llama.cpp's KV cache type"):
+        VariantConfig.model_validate({"runtime": {"kv_cache_type": "q8_0"}})

@@ -30,6 +30,7 @@ GGUF = "gguf"  # the weights format: model.gguf beside the Hugging Face tokenize
 MODEL_FILE = "model.gguf"
 _COMPUTE = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmopt-llama.cpp")
 UBATCH = 512  # tokens llama.cpp computes at once (its default; bounds the compute buffers)
+KV_BYTES_PER_VALUE = {"f16": 2, "q8_0": 34 / 32, "q4_0": 18 / 32}  # runtime.kv_cache_type
 
 _init_lock = threading.Lock()
 _quiet_callback: Any = None  # kept referenced: llama.cpp calls it for the life of the process
@@ -77,8 +78,9 @@ def engine_says() -> str:
 class GgufModel:
     """A llama_model loaded from a GGUF file (CPU, memory-mapped), freed when the last context using it is gone."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, kv_cache_type: str = "f16") -> None:
         self._lib = llama_cpp_module()
+        self.kv_cache_type = kv_cache_type  # its contexts' key and value cache type (runtime.kv_cache_type)
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = 0
         with _init_lock:  # one load at a time: the error lines read are this load's
@@ -90,11 +92,11 @@ class GgufModel:
         self.n_vocab = self._lib.llama_vocab_n_tokens(self._lib.llama_model_get_vocab(self.pointer))
         self.n_ctx_train = int(self._lib.llama_model_n_ctx_train(self.pointer))
         lib, model = self._lib, self.pointer
-        # the keys and values of one token in llama.cpp's default f16 cache
-        self.kv_bytes_per_token = (
+        # the keys and values of one token in the cache: f16, or blocks of 32 values in 34 (q8_0) or 18 bytes (q4_0)
+        self.kv_bytes_per_token = int(
             lib.llama_model_n_layer(model)
             * 2
-            * 2
+            * KV_BYTES_PER_VALUE[kv_cache_type]
             * lib.llama_model_n_head_kv(model)
             * (lib.llama_model_n_embd(model) // max(lib.llama_model_n_head(model), 1))
         )
@@ -120,7 +122,7 @@ class LlamaCppRuntime(Runtime):
 
         self.manifest = manifest
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self._model = GgufModel(folder / MODEL_FILE)
+        self._model = GgufModel(folder / MODEL_FILE, manifest.runtime_settings().kv_cache_type)
         self._threads = target.threads
         self.context_length = self._model.n_ctx_train
         self._context: _Context | None = None
@@ -195,12 +197,19 @@ class _Context:
         params.n_seq_max = sequences
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = unified
+        if model.kv_cache_type != "f16":  # llama.cpp quantizes the V cache only with flash attention on
+            params.type_k = params.type_v = getattr(lib, f"GGML_TYPE_{model.kv_cache_type.upper()}")
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
         self.cells, self.sequences, self.unified = cells, sequences, unified
         self._model = model  # keeps the model alive while this context uses it
+        engine_says()  # forget what earlier calls logged
         self._ctx = lib.llama_init_from_model(model.pointer, params)
         if not self._ctx:
-            raise EngineError(f"llama.cpp could not create a context of {cells} tokens")
+            said = engine_says()  # e.g. a quantized cache type the model's head width cannot take
+            raise EngineError(
+                f"llama.cpp could not create a context of {cells} tokens{': ' + said if said else ''}"
+            )
         self._vocab = model.n_vocab
         self._batch = lib.llama_batch_init(cells, 0, 1)
         self._memory = lib.llama_get_memory(self._ctx)
