@@ -261,8 +261,11 @@ class Measurements:
     failed: dict[str, FailedVariant] = field(default_factory=dict)  # built, but its engine could not run it
 
     def chosen(self, name: str) -> BenchmarkResult:
-        """The trial reported for `name`: the one with the median batch-1 decode speed."""
-        return median_trial(self.trials[name])
+        """The trial reported for `name`: the one with the median batch-1 decode speed (with the served capacity by
+        length of the trial that measured it: the duel's trials do not)."""
+        trial, trials = median_trial(self.trials[name]), self.trials[name]
+        by_length = next((t.served_by_length for t in trials if t.served_by_length), trial.served_by_length)
+        return replace(trial, served_by_length=by_length)
 
 
 def measure_variants(
@@ -386,9 +389,9 @@ def duel(config: Config, measured: Measurements, names: tuple[str, str], prompt_
                     prompt_text,
                     measured.space,
                     False,
-                    measured.served
-                    if config.select.objective == "serving"
-                    else None,  # what the duel compares
+                    replace(measured.served, lengths=())  # what the duel compares: the served mix
+                    if config.select.objective == "serving" and measured.served
+                    else None,
                 )
                 result, span = on_benchmark_worker(benchmark_task.submit(*args))
                 measured.trials[name].append(result)

@@ -147,7 +147,7 @@ class BenchmarkConfig(Strict):
     long_prompt_tokens: list[Annotated[int, Field(ge=2, le=1_048_576)]] = []
     # Served capacity by window length (tasks/measure/served.py `capacity_by_length`): bursts of each client count
     # sending prompts cut from the long documents (prompt + answer = the length) until one misses the `slo`; empty:
-    # not measured. Every qualifying variant
+    # not measured. Measured for the variants the served mix is measured for
     served_lengths: list[Annotated[int, Field(ge=2, le=1_048_576)]] = []
     served_length_clients: Annotated[list[Annotated[int, Field(ge=1, le=256)]], Field(min_length=1)] = [
         1,
@@ -178,8 +178,9 @@ class BenchmarkConfig(Strict):
             raise ValueError("batch_sizes must include 1 (the latency a single user sees)")
         if len(set(self.batch_sizes)) != len(self.batch_sizes):
             raise ValueError("batch_sizes must not repeat a size")
-        if len(set(self.served_clients)) != len(self.served_clients):
-            raise ValueError("served_clients must not repeat a client count")
+        for name in ("served_clients", "served_lengths", "served_length_clients"):
+            if len(set(getattr(self, name))) != len(getattr(self, name)):
+                raise ValueError(f"{name} must not repeat a value")
         return self
 
 

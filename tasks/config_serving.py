@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 
 from tasks.schema import Strict
 
+# serve.sequence_tokens' default for llama.cpp's server decoder (a KV stream per row)
+LLAMA_STREAM_TOKENS = 2048
+
 
 class ServeConfig(Strict):
     host: str = "127.0.0.1"

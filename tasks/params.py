@@ -28,6 +28,7 @@ from tasks.config import (
     TargetConfig,
     TrackingConfig,
 )
+from tasks.config_serving import LLAMA_STREAM_TOKENS
 from tasks.schema import Strict
 from tasks.search.settings import SearchConfig
 from tasks.techniques import catalog, registry
@@ -215,14 +216,8 @@ class Config(Strict):
                 "benchmark.served_lengths cuts prompts from long_context's documents and counts the clients meeting "
                 "the slo: set both"
             )
-        if (
-            self.benchmark.served_lengths
-            and min(self.benchmark.served_lengths) <= self.loadtest.max_tokens[1]
-        ):
-            raise ValueError(
-                f"benchmark.served_lengths: each window holds a prompt and an answer of up to "
-                f"loadtest.max_tokens[1] = {self.loadtest.max_tokens[1]} tokens; got {min(self.benchmark.served_lengths)}"
-            )
+        if self.benchmark.served_lengths:
+            self._served_lengths_fit()
         if self.select.objective == "serving" and not self.benchmark.served_clients:
             raise ValueError(
                 "select.objective: serving ranks by served capacity: benchmark.served_clients must not be empty"
@@ -241,3 +236,24 @@ class Config(Strict):
         if self.services.prefect_worker and self.schedule.work_pool is None:
             raise ValueError("services.prefect_worker needs schedule.work_pool (the pool the worker runs)")
         return self
+
+    def _served_lengths_fit(self) -> None:
+        """Each served length holds an answer, fits the documents and one request's room in every engine."""
+        lengths, answer = self.benchmark.served_lengths, self.loadtest.max_tokens[1]
+        room = self.serve.sequence_tokens
+        gguf = any(step.kind == "llama_cpp" for v in self.variants.values() for step in v.steps)
+        if min(lengths) <= answer:
+            raise ValueError(
+                f"benchmark.served_lengths: each window holds a prompt and an answer of up to "
+                f"loadtest.max_tokens[1] = {answer} tokens; got {min(lengths)}"
+            )
+        if self.long_context is not None and max(lengths) > self.long_context.longest:
+            raise ValueError(
+                f"benchmark.served_lengths: {max(lengths)} tokens, over long_context's longest window "
+                f"({self.long_context.longest}), which is all its documents are chosen to hold"
+            )
+        if max(lengths) > (room or (LLAMA_STREAM_TOKENS if gguf else max(lengths))):
+            raise ValueError(
+                f"benchmark.served_lengths: {max(lengths)} tokens, over one request's room in the server "
+                f"(serve.sequence_tokens: {room or f'{LLAMA_STREAM_TOKENS} for llama.cpp variants'}): raise it"
+            )

@@ -255,10 +255,14 @@ def length_requests(
     usable = [words for words in (text.split() for text in documents) if len(words) >= length]
     if not usable:
         raise DataValidationError(f"benchmark.served_lengths: no long document has {length} words")
-    requests = []
-    for _ in range(count):
-        words = usable[int(rng.integers(len(usable)))]
+    requests, starts = [], set()
+    while len(requests) < count:
+        document = int(rng.integers(len(usable)))
+        words = usable[document]
         start = int(rng.integers(len(words) - length + 1))
+        if (document, start) in starts and len(starts) < sum(len(w) - length + 1 for w in usable):
+            continue  # another request's start (its prefix would be reused): draw again while others are left
+        starts.add((document, start))
         budget = min(int(rng.integers(cfg.max_tokens[0], cfg.max_tokens[1] + 1)), server_cap)
         requests.append(LoadRequest(" ".join(words[start : start + length]), budget, length - budget))
     return requests
@@ -397,7 +401,7 @@ def capacity_by_length(
 ) -> list[LengthCapacity]:
     """Each length of the plan, shortest first: a burst of c requests (the length's first c) through a fresh
     scheduler with the serve settings, every request to its budget, for c in `length_clients` ascending; a burst
-    that misses the SLO ends the length (a larger one would queue longer), and a length whose single request misses
+    that misses the SLO ends the length (a larger one would queue longer), and a length whose smallest burst misses
     ends the sweep (a longer prompt takes longer). So does a length whose time to the first token measured alone
     (`alone_ttft_ms`, the benchmark's speed at length) is over the SLO's already: not served. `reset_peak` before
     each burst, `peak_rss_mb` after it."""

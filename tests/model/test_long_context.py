@@ -151,6 +151,13 @@ def test_serve_sequence_tokens_sizes_one_requests_room_in_every_engine(runtime):
             decoder = scheduler._decoder()
             if room is not None:  # the request's room, and the stream llama.cpp sizes for each row
                 assert decoder.sequence_tokens == scheduler.request_tokens == 256
+                if type(decoder).__name__.startswith("LlamaCpp"):
+                    decoder.reserve(2)
+                    assert decoder._context.cells == 2 * 256
+                    with pytest.raises(
+                        ValueError, match="a prompt of 300 tokens does not fit a stream of 256"
+                    ):
+                        decoder.open(list(range(300)))
             elif type(decoder).__name__.startswith(
                 "LlamaCpp"
             ):  # 2 048 cells, or the model's context if smaller

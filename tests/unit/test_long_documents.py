@@ -208,3 +208,62 @@ def test_served_lengths_need_the_long_documents_an_slo_and_room_for_the_answer(t
     assert plan.requests == () and plan.length_clients == (1, 2, 4, 8)
     assert [(n, len(requests)) for n, requests in plan.lengths] == [(128, 8), (96, 8)]
     assert all(r.tokens == n - r.max_tokens for n, requests in plan.lengths for r in requests)
+
+
+def test_served_lengths_that_the_documents_or_a_requests_room_cannot_hold_are_named(tmp_path):
+    from tasks.errors import ConfigError
+    from tasks.params_file import load_config
+
+    params = tmp_path / "params.yaml"
+    common = "slo: {ttft_p95_ms: 1000}\nlong_context: {lengths: [1024, 4096]}\n"
+    cases = {
+        "benchmark: {served_lengths: [8192]}\n": "8192 tokens, over long_context's longest window .4096.",
+        "benchmark: {served_lengths: [4096]}\nserve: {sequence_tokens: 2048}\n": r"room in the server .serve.sequence_tokens: 2048.",
+        "benchmark: {served_lengths: [4096]}\nvariants: {baseline: {}, q: {steps: [{llama_cpp: {type: Q8_0}}]}}\n": "2048 for llama.cpp variants",
+        "benchmark: {served_lengths: [1024, 1024]}\n": "served_lengths must not repeat a value",
+    }
+    for text, message in cases.items():
+        params.write_text(common + text + ("" if "variants" in text else "variants: {baseline: {}}\n"))
+        with pytest.raises(ConfigError, match=message):
+            load_config(params)
+    ok = "benchmark: {served_lengths: [4096]}\nserve: {sequence_tokens: 4096}\n"
+    params.write_text(common + ok + "variants: {baseline: {}, q: {steps: [{llama_cpp: {type: Q8_0}}]}}\n")
+    assert load_config(params).benchmark.served_lengths == [4096]
+
+
+def test_capacity_by_length_keeps_the_largest_burst_that_met_the_slo_shortest_length_first(monkeypatch):
+    from dataclasses import asdict
+
+    from serving.models import Limits
+    from tasks.config import SloConfig
+    from tasks.decide.leaderboard_table import _capacity_cell
+    from tasks.measure import served
+    from tasks.measure.served import LoadRequest, Outcome, ServedPlan
+
+    # each request's time to first token grows with the burst and the length: 1 s per client per 1 k tokens
+    def replay(runtime, requests, clients, limits, stop_at_eos=True):
+        seconds = clients * requests[0].tokens / 1000
+        return [Outcome(200, seconds, seconds + 1, 8) for _ in requests], seconds + 1
+
+    monkeypatch.setattr(served, "replay", replay)
+    lengths = tuple(
+        (n, tuple(LoadRequest("x", 8, n) for _ in range(4))) for n in (4000, 1000, 2000, 8000)
+    )  # not in order: measured shortest first
+    plan = ServedPlan((), Limits(max_batch=4, max_queue=4), SloConfig(ttft_p95_ms=4500), lengths, (1, 2, 4))
+    result = served.capacity_by_length(None, plan, alone_ttft_ms={8000: 9000.0})
+    # 1 k: 1, 2, 4 clients meet (4 s); 2 k: 2 meets (4 s), 4 misses (8 s); 4 k: 1 meets, 2 misses; 8 k: over the
+    # SLO alone (9 s measured at batch 1): not served
+    assert [(c.length, c.clients, [lvl.concurrency for lvl in c.levels]) for c in result] == [
+        (1000, 4, [1, 2, 4]),
+        (2000, 2, [1, 2, 4]),
+        (4000, 1, [1, 2]),
+        (8000, 0, []),
+    ]
+    assert (
+        served.capacity_from_dict(asdict(result[1])) == result[1]
+    )  # across the benchmark's process boundary
+
+    class Score:
+        served_by_length = tuple(result)
+
+    assert _capacity_cell(Score, [1000, 2000, 4000, 8000, 16000]) == "4·2·1·0·–"

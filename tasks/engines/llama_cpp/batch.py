@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.config_serving import LLAMA_STREAM_TOKENS as STREAM_TOKENS  # a row's cells by default
 from tasks.engines.contract import BatchDecoder, RetainedPrefixes, retain_budget, shared_start
-
-STREAM_TOKENS = 2048  # KV cells of each serving sequence (prompt + answer), at most the model's context
 
 
 class LlamaCppBatchDecoder(BatchDecoder):
