@@ -49,8 +49,14 @@ def first_repro(
         "tail_tokens": 32,
         "retrieval": {"lengths": [256]},  # 128 cannot hold the tiny tokenizer's question and a 5-digit answer
     }
+    # served capacity by length: bursts of 1 and 2 windows of 256 tokens, under an SLO a tiny model always meets
+    benchmark = {"long_prompt_tokens": [256], "served_lengths": [256], "served_length_clients": [1, 2]}
     params = tiny_params(
-        tiny_model_dir, corpus_dir, long_context=long_context, benchmark={"long_prompt_tokens": [256]}
+        tiny_model_dir,
+        corpus_dir,
+        long_context=long_context,
+        benchmark=benchmark,
+        slo={"ttft_p95_ms": 600_000},
     )
     root = make_project(tmp_path_factory.mktemp("e2e") / "project", params)
     # the default path, Prefect's own ephemeral server included
@@ -181,6 +187,8 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(repro_state):
             assert "served_tok_s_c3" not in metrics
             continue
         assert metrics["served_tok_s_c3"] > 0 and metrics["served_ttft_p95_ms_c1"] > 0, child.info.run_name
+        # ... and by window length: both bursts of 256-token windows within the SLO, the server's memory with them
+        assert metrics["served_clients_ctx256"] == 2 and metrics["served_peak_rss_mb_ctx256_c2"] > 0
         assert metrics["served_peak_rss_mb"] >= metrics["peak_rss_mb"]
     assert onnx.params["technique"] == "onnx_genai" and onnx.params["weight_bits"] == "8"
     assert onnx.params["onnx_genai.block_size"] == "32" and onnx.params["runtime.dtype"] == "float32"
