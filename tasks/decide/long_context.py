@@ -156,10 +156,13 @@ def longest_retrieval(rows: list[Any]) -> int | None:
     return max(common) if common else None
 
 
-def speed_metrics(speeds: tuple[LengthSpeed, ...]) -> dict[str, float]:
+def speed_metrics(
+    speeds: tuple[LengthSpeed, ...], roofline: tuple[tuple[int, float], ...] = ()
+) -> dict[str, float]:
     """MLflow / DVC metrics of speed at long context: `ttft_ms_ctx<L>`, `decode_tok_s_ctx<L>`, `kv_mb_ctx<L>` (where
-    the engine says) and `peak_rss_mb_ctx<L>`."""
-    metrics = {}
+    the engine says), `peak_rss_mb_ctx<L>` and `roofline_fraction_ctx<L>` (`roofline`: the decode speed after L
+    tokens against the memory-bound ceiling of reading the weights and L tokens of KV cache a token)."""
+    metrics = {f"roofline_fraction_ctx{length}": round(share, 4) for length, share in roofline}
     for s in speeds:
         metrics |= {
             f"ttft_ms_ctx{s.length}": round(s.ttft_ms, 1),

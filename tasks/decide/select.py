@@ -67,6 +67,8 @@ class VariantScore:
     retrieval: tuple[RetrievalScore, ...] = ()  # the planted facts' answers by window length (empty: none)
     speed_at_length: tuple[LengthSpeed, ...] = ()  # benchmark.long_prompt_tokens (empty: not measured)
     served_by_length: tuple[LengthCapacity, ...] = ()  # benchmark.served_lengths (empty: not measured)
+    # (length, decode speed after it as a share of the memory-bound ceiling: weights and that much KV cache read a token)
+    roofline_at_length: tuple[tuple[int, float], ...] = ()
 
     @property
     def memory_mb(self) -> float:
@@ -124,6 +126,11 @@ def variant_score(
         retrieval=retrieval_scores(evaluation),
         speed_at_length=tuple(bench.long_context or ()),
         served_by_length=tuple(bench.served_by_length or ()),
+        roofline_at_length=tuple(
+            (s.length, roofline_fraction(s.decode_tok_s, bench.decode_read_bytes + s.kv_bytes, bandwidth_gbs))
+            for s in bench.long_context or ()
+            if s.kv_bytes is not None
+        ),
     )
 
 
@@ -215,7 +222,7 @@ class Leaderboard:
                 "on_frontier": int(row.on_frontier),
                 **length_metrics(row.long_context),
                 **retrieval_metrics(row.score.retrieval),
-                **speed_metrics(row.score.speed_at_length),
+                **speed_metrics(row.score.speed_at_length, row.score.roofline_at_length),
                 **capacity_metrics(row.score.served_by_length),
             }
             for row in self.rows

@@ -352,7 +352,7 @@ def log_reports(
             "within_budget": float(row.within_budget),
             **length_metrics(row.long_context),
             **retrieval_metrics(row.score.retrieval),
-            **speed_metrics(row.score.speed_at_length),
+            **speed_metrics(row.score.speed_at_length, row.score.roofline_at_length),
         }
         metrics = [Metric(k, float(v), 0, 0) for k, v in comparison.items()]
         client.log_batch(variant_runs[row.score.variant], metrics=metrics)

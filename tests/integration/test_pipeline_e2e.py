@@ -169,6 +169,7 @@ def test_mlflow_has_one_parent_with_a_nested_run_per_variant(repro_state):
         assert child.data.metrics["ppl_ctx256"] > 1 and child.data.metrics["ppl_ratio_ctx256_ci_high"] > 0
         assert 0 <= child.data.metrics["retrieval_ctx256_depth0.5"] <= 1  # the planted facts, by depth
         assert child.data.metrics["ttft_ms_ctx256"] > 0 and child.data.metrics["kv_mb_ctx256"] > 0
+        assert child.data.metrics["roofline_fraction_ctx256"] > 0  # weights and the cache read per token
     baseline = next(c for c in children if c.info.run_name == "baseline").data.metrics
     # compared with itself: every statistic must be exactly neutral
     assert baseline["ppl_ratio_ci_low"] == baseline["ppl_ratio_ci_high"] == baseline["token_agreement"] == 1.0

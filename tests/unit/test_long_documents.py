@@ -167,6 +167,8 @@ def test_speed_at_length_becomes_metrics_and_one_cell():
         "peak_rss_mb_ctx8192": 2500.0,  # no KV figure: the engine did not say
     }
     assert speed_cell(speeds, 1024) == "0.9 · 20.0 · 47" and speed_cell(speeds, 8192) == "41.0 · 9.5 · –"
+    # against the roofline with the KV cache read too (select.py's rows: weights + the cache at that length)
+    assert speed_metrics(speeds, ((1024, 0.29437),))["roofline_fraction_ctx1024"] == 0.2944
 
 
 def test_load_test_prompts_come_from_the_long_documents_only_where_there_are_some(tmp_path):
