@@ -156,3 +156,44 @@ def test_every_llama_cpp_computation_runs_on_one_thread_whoever_calls(tiny_engin
     worker.start()
     worker.join(timeout=60)
     assert len(threads) >= 5 and len(set(threads)) == 1 and threads[0].startswith("llmopt-llama.cpp")
+
+
+def test_a_step_puts_its_rows_into_llama_cpps_batch_by_stream_and_hands_each_its_own_logits(
+    tiny_engine_dir, monkeypatch
+):
+    """With a stream per sequence, llama.cpp computes in one pass only sequences whose ids follow each other in
+    the batch; rows in the order requests came (their streams scrambled as requests leave and join) made it read
+    every weight once per row. The rows go in by stream, and each sequence still gets its own logits."""
+    import numpy as np
+
+    from tasks.engines.llama_cpp.runtime import llama_cpp_module
+
+    runtime = load_runtime(tiny_engine_dir("llama.cpp"), TargetConfig(threads=1))
+    prompts = [runtime.encode(text) for text in synthetic_sentences(5, seed=11)]
+
+    def alone(prompt: list[int]) -> tuple[int, np.ndarray]:
+        decoder = runtime.batch_decoder()
+        sequence, logits = decoder.add(prompt)
+        token = int(logits.argmax())
+        return token, decoder.step({sequence: token})[sequence]
+
+    expected = [alone(prompt) for prompt in prompts]
+    lib, batches = llama_cpp_module(), []
+    decode = lib.llama_decode
+
+    def recorded(context, batch):
+        batches.append([batch.seq_id[i][0] for i in range(batch.n_tokens)])
+        return decode(context, batch)
+
+    decoder = runtime.batch_decoder()
+    decoder.rows = 4
+    sequences = [decoder.add(prompt)[0] for prompt in prompts[:4]]
+    decoder.remove(sequences.pop(1))  # its stream (the second) goes to the next newcomer
+    sequences.append(decoder.add(prompts[4])[0])
+    held = [0, 2, 3, 4]  # the prompts the running sequences hold, in order of arrival
+    assert [decoder._slots[s] for s in sequences] == [0, 2, 3, 1]  # not in stream order
+    monkeypatch.setattr(lib, "llama_decode", recorded)
+    stepped = decoder.step({s: expected[p][0] for s, p in zip(sequences, held, strict=True)})
+    assert batches == [[0, 1, 2, 3]]  # one pass: streams 0, 1, 2, 3 in a row
+    for sequence, prompt in zip(sequences, held, strict=True):
+        np.testing.assert_allclose(stepped[sequence], expected[prompt][1], rtol=0, atol=1e-4)
