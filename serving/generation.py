@@ -61,6 +61,7 @@ class Generation:
         metrics: Any,
         ignore_eos: bool = False,
         prompt_logprobs: bool = False,
+        token_logprobs: bool = True,
     ) -> None:
         self.served, self.loaded = served, served.current  # this request's model, even if a swap happens
         runtime = self.loaded.runtime
@@ -90,6 +91,7 @@ class Generation:
             lambda event: loop.call_soon_threadsafe(self._queue.put_nowait, event),
             stop_ids=frozenset() if eos is None or ignore_eos else frozenset({eos}),
             prompt_logprobs=prompt_logprobs,
+            token_logprobs=token_logprobs,
         )
         self._started = loop.time()
 

@@ -413,7 +413,8 @@ class Scheduler(SpeculativeSteps):
             item.last, item.produced = token, item.produced + 1
             item.generated.append(token)
             top = top_logprobs(logits, sampling.top_logprobs) if sampling.top_logprobs else None
-            request.on_event(("token", (token, logprob(logits, token), top)))
+            reported = logprob(logits, token) if request.token_logprobs else None
+            request.on_event(("token", (token, reported, top)))
             if token in request.stop_ids:
                 finish = "stop"
             elif item.produced >= request.max_tokens:

@@ -145,7 +145,7 @@ class BenchmarkConfig(Strict):
     # Speed at long context (tasks/measure/long_context.py): one prompt of each length fed in slices, its time to the
     # first token, the decode speed after it, the KV cache's bytes and the peak memory then; empty: not measured
     long_prompt_tokens: list[Annotated[int, Field(ge=2, le=1_048_576)]] = []
-    # Served capacity by window length (tasks/measure/served.py `capacity_by_length`): bursts of each client count
+    # Served capacity by window length (tasks/measure/served_lengths.py): bursts of each client count
     # sending prompts cut from the long documents (prompt + answer = the length) until one misses the `slo`; empty:
     # not measured. Measured for the variants the served mix is measured for
     served_lengths: list[Annotated[int, Field(ge=2, le=1_048_576)]] = []

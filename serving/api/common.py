@@ -69,6 +69,7 @@ def start_generation(
         state.metrics,
         ignore_eos=getattr(body, "ignore_eos", False),
         prompt_logprobs=bool(getattr(body, "prompt_logprobs", False)),
+        token_logprobs=getattr(body, "token_logprobs", True),  # TGI's answers always carry them
     )
     generation.start()
     return generation

@@ -133,7 +133,7 @@ def _shape(kind: str, served: ServedModel, choices: list[Choice], body: OpenAISa
         "model": f"{served.registered}/{first.loaded.version}",
         "prompt_tokens": sum(len(choice.generation.prompt) for choice in choices[:: body.n]),
         "tokenizer": first.loaded.runtime.tokenizer,
-        "logprobs": body.logprobs is not None and body.logprobs is not False,
+        "logprobs": body.token_logprobs,
     }
 
 

@@ -54,6 +54,12 @@ class OpenAISampling(BaseModel):
     def top_logprob_count(self) -> int:
         return 0
 
+    @property
+    def token_logprobs(self) -> bool:
+        """Whether the answer reports each token's log-probability (`logprobs` of either endpoint)."""
+        asked = getattr(self, "logprobs", None)
+        return asked is not None and asked is not False
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 

@@ -29,7 +29,8 @@ from tasks.errors import ComparisonError
 from tasks.measure.benchmark import BenchmarkResult, roofline_fraction
 from tasks.measure.evaluate import VariantEvaluation
 from tasks.measure.long_context import LengthSpeed
-from tasks.measure.served import LengthCapacity, LevelResult, capacity_metrics, served_metrics
+from tasks.measure.served import LevelResult, served_metrics
+from tasks.measure.served_lengths import LengthCapacity, capacity_metrics
 from tasks.measure.speculation import StyleSpeed
 from tasks.params import is_peer_recipe
 

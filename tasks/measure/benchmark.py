@@ -27,14 +27,8 @@ from tasks.measure.long_context import LengthSpeed, speed_at_lengths
 from tasks.measure.processes import peak_rss_mb as process_peak_mb
 from tasks.measure.processes import reset_peak_rss, rss_mb
 from tasks.measure.sampling import median_interval, repeat_to_length
-from tasks.measure.served import (
-    LengthCapacity,
-    LevelResult,
-    ServedPlan,
-    capacity_by_length,
-    capacity_from_dict,
-    served_capacity,
-)
+from tasks.measure.served import LevelResult, ServedPlan, served_capacity
+from tasks.measure.served_lengths import LengthCapacity, capacity_by_length, capacity_from_dict
 from tasks.measure.speculation import StyleSpeed, measure_speculation
 
 

@@ -22,7 +22,8 @@ from tasks.engines.manifest import VariantManifest
 from tasks.errors import exception_chain
 from tasks.measure.benchmark import BenchmarkResult
 from tasks.measure.evaluate import VariantEvaluation
-from tasks.measure.served import capacity_metrics, served_metrics
+from tasks.measure.served import served_metrics
+from tasks.measure.served_lengths import capacity_metrics
 from tasks.params import Config
 from tasks.report.plots import precision_plot
 from tasks.report.recipe_params import flatten as _flatten

@@ -106,7 +106,8 @@ def test_served_capacity_by_length_counts_the_largest_burst_meeting_the_slo_and_
 
     from serving.models import Limits
     from tasks.config import LoadtestConfig, SloConfig
-    from tasks.measure.served import ServedPlan, capacity_by_length, capacity_metrics, length_requests
+    from tasks.measure.served import ServedPlan, length_requests
+    from tasks.measure.served_lengths import capacity_by_length, capacity_metrics
 
     documents = [" ".join(synthetic_sentences(60, seed=seed)) for seed in (1, 2)]
     mix = LoadtestConfig(max_tokens=[4, 8], seed=3)

@@ -353,3 +353,28 @@ def test_a_choice_failing_unexpectedly_ends_a_merged_stream_instead_of_hanging_i
 
     with pytest.raises(RequestError, match="ValueError"):
         asyncio.run(asyncio.wait_for(drain(), 5))
+
+
+def test_the_worker_computes_token_logprobs_only_for_answers_that_report_them(
+    url, openai_client, monkeypatch
+):
+    """A softmax over the vocabulary per token is a few per cent of a batched step: OpenAI answers compute it only
+    when `logprobs` asks; TGI's streams always carry each token's logprob."""
+    from serving import scheduler
+    from serving.sampling import logprob
+
+    computed = []
+    monkeypatch.setattr(scheduler, "logprob", lambda *args: computed.append(1) or logprob(*args))
+    openai_client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=4, stream=False)
+    assert computed == []
+    answer = openai_client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=4, logprobs=0)
+    assert len(computed) == 4 and all(v is not None for v in answer.choices[0].logprobs.token_logprobs)
+    chat = openai_client.chat.completions.create(
+        model="tiny/3", messages=[{"role": "user", "content": PROMPT}], max_tokens=3, logprobs=True
+    )
+    assert len(computed) == 7 and len(chat.choices[0].logprobs.content) == 3
+    streamed = httpx.post(
+        f"{url}/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}, timeout=60
+    )
+    assert streamed.status_code == 200 and '"logprob":-' in streamed.text.replace(" ", "")
+    assert len(computed) == 9

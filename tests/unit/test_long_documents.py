@@ -239,7 +239,7 @@ def test_capacity_by_length_keeps_the_largest_burst_that_met_the_slo_shortest_le
     from serving.models import Limits
     from tasks.config import SloConfig
     from tasks.decide.leaderboard_table import _capacity_cell
-    from tasks.measure import served
+    from tasks.measure import served_lengths
     from tasks.measure.served import LoadRequest, Outcome, ServedPlan
 
     # each request's time to first token grows with the burst and the length: 1 s per client per 1 k tokens
@@ -247,12 +247,12 @@ def test_capacity_by_length_keeps_the_largest_burst_that_met_the_slo_shortest_le
         seconds = clients * requests[0].tokens / 1000
         return [Outcome(200, seconds, seconds + 1, 8) for _ in requests], seconds + 1
 
-    monkeypatch.setattr(served, "replay", replay)
+    monkeypatch.setattr(served_lengths, "replay", replay)
     lengths = tuple(
         (n, tuple(LoadRequest("x", 8, n) for _ in range(4))) for n in (4000, 1000, 2000, 8000)
     )  # not in order: measured shortest first
     plan = ServedPlan((), Limits(max_batch=4, max_queue=4), SloConfig(ttft_p95_ms=4500), lengths, (1, 2, 4))
-    result = served.capacity_by_length(None, plan, alone_ttft_ms={8000: 9000.0})
+    result = served_lengths.capacity_by_length(None, plan, alone_ttft_ms={8000: 9000.0})
     # 1 k: 1, 2, 4 clients meet (4 s); 2 k: 2 meets (4 s), 4 misses (8 s); 4 k: 1 meets, 2 misses; 8 k: over the
     # SLO alone (9 s measured at batch 1): not served
     assert [(c.length, c.clients, [lvl.concurrency for lvl in c.levels]) for c in result] == [
@@ -262,7 +262,7 @@ def test_capacity_by_length_keeps_the_largest_burst_that_met_the_slo_shortest_le
         (8000, 0, []),
     ]
     assert (
-        served.capacity_from_dict(asdict(result[1])) == result[1]
+        served_lengths.capacity_from_dict(asdict(result[1])) == result[1]
     )  # across the benchmark's process boundary
 
     class Score:
