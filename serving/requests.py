@@ -23,9 +23,10 @@ class SchedulerClosed(Exception):
 @dataclass(eq=False)
 class GenerationRequest:
     """One request's generation. `on_event` is called from the worker thread with ("token", (id, log-probability
-    or None without `token_logprobs`, top)) for each token (`top`: the `sampling.top_logprobs` most likely (id, log-probability) pairs, or None) and
-    finally ("done", finish_reason) or ("error", message); finish reasons: "stop" (an end-of-sequence token),
-    "length" (max_tokens reached), "cancelled" (`cancel` was called: disconnect, timeout or a stop string)."""
+    or None without `token_logprobs`, top)) for each token (`top`: the `sampling.top_logprobs` most likely (id,
+    log-probability) pairs, or None) and finally ("done", finish_reason) or ("error", message); finish reasons:
+    "stop" (an end-of-sequence token), "length" (max_tokens reached), "cancelled" (`cancel` was called: disconnect,
+    timeout or a stop string)."""
 
     prompt: list[int]
     max_tokens: int

@@ -365,12 +365,15 @@ def test_the_worker_computes_token_logprobs_only_for_answers_that_report_them(
 
     computed = []
     monkeypatch.setattr(scheduler, "logprob", lambda *args: computed.append(1) or logprob(*args))
-    openai_client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=4, stream=False)
+    fixed = {"temperature": 0, "extra_body": {"ignore_eos": True}}  # every answer runs to its max_tokens
+    openai_client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=4, **fixed)
     assert computed == []
-    answer = openai_client.completions.create(model="tiny/3", prompt=PROMPT, max_tokens=4, logprobs=0)
+    answer = openai_client.completions.create(
+        model="tiny/3", prompt=PROMPT, max_tokens=4, logprobs=0, **fixed
+    )
     assert len(computed) == 4 and all(v is not None for v in answer.choices[0].logprobs.token_logprobs)
     chat = openai_client.chat.completions.create(
-        model="tiny/3", messages=[{"role": "user", "content": PROMPT}], max_tokens=3, logprobs=True
+        model="tiny/3", messages=[{"role": "user", "content": PROMPT}], max_tokens=3, logprobs=True, **fixed
     )
     assert len(computed) == 7 and len(chat.choices[0].logprobs.content) == 3
     streamed = httpx.post(

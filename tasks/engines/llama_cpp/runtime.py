@@ -259,9 +259,9 @@ class _Context:
         logits rows (every token's, or the last token's only) as float32 [rows, vocab].
 
         With a stream per sequence, llama.cpp computes in one pass (ubatch) only sequences whose ids follow each
-        other in the batch (0, 1, 2, ...; its `split_equal` with `sequential`), and each pass reads every weight
-        again: 16 rows in the order requests came took 107 ms a step here, in the order of their ids 48.5 ms. So
-        the items go into the batch by sequence id, whatever order they are given in."""
+        other in the batch, each the last one's plus one (its `split_equal` with `sequential`; 0, 2, 5 are three
+        passes), and each pass reads every weight again: 16 rows shuffled took 107 ms a step here, in the order of
+        their ids 48.5 ms. So the items go into the batch by sequence id, whatever order they are given in."""
         placed = sorted(range(len(work)), key=lambda item: work[item][0]) if not self.unified else None
         ordered = [work[item] for item in placed] if placed is not None else work
         batch, count = self._batch, 0
