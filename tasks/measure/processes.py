@@ -10,6 +10,7 @@ from pathlib import Path
 
 # What a torch variant's process imports before it can load one: transformers' model code, ~5-10 s on 2 cores
 TORCH_PRELOAD = (
+    "tasks.measure.forkserver_quiet",  # first: the imports after it print to the command's log file, not the console
     "tasks.measure.benchmark",
     "tasks.engines.pytorch.runtime",
     "transformers.modeling_utils",

@@ -79,6 +79,37 @@ def test_a_torch_variants_process_is_forked_with_its_parents_environment_of_now_
     assert in_a_fresh_process() == "set after the server started"
 
 
+def test_the_torch_forkservers_library_chatter_goes_to_the_commands_log_file_not_the_console(tmp_path):
+    """The forkserver imports transformers (and torchao, which prints its missing CUDA kernels) before any
+    measuring process takes its parent's output settings: its first preload sends what follows to the log file the
+    CLI keeps, and leaves the console alone where there is none (--debug)."""
+    import subprocess
+    import sys
+
+    from tasks.measure.processes import TORCH_PRELOAD
+
+    assert TORCH_PRELOAD[0] == "tasks.measure.forkserver_quiet"
+    chatter = (
+        "import logging, sys, tasks.measure.forkserver_quiet; print('chatter', file=sys.stderr); "
+        "logging.getLogger('torchao').warning('Failed to load a CUDA kernel')"
+    )
+    log = tmp_path / "command.log"
+    quiet = subprocess.run(
+        [sys.executable, "-c", chatter],
+        env={**os.environ, "LLMOPT_LOG_FILE": str(log)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert quiet.stderr == "" and "chatter" in log.read_text()
+    assert "CUDA kernel" not in log.read_text()  # below ERROR, as the CLI sets torchao's logger
+    env = {key: value for key, value in os.environ.items() if key != "LLMOPT_LOG_FILE"}
+    loud = subprocess.run(
+        [sys.executable, "-c", chatter], env=env, capture_output=True, text=True, check=True
+    )
+    assert "chatter" in loud.stderr and "CUDA kernel" in loud.stderr
+
+
 def test_fresh_process_reports_its_own_peak_memory_not_the_parents(baseline_dir):
     ballast = np.ones(800 * 2**20 // 8)  # 800 MB resident in this (parent) process
     cfg = BenchmarkConfig(
