@@ -127,13 +127,23 @@ class LlamaCppRuntime(Runtime):
         self.context_length = self._model.n_ctx_train
         self._context: _Context | None = None
 
-    def context(self, cells: int, sequences: int) -> _Context:
-        """A context with at least `cells` KV cells for `sequences` sequence ids, its KV cache cleared."""
+    def context(self, cells: int, sequences: int, streams: bool = False) -> _Context:
+        """A context with at least `cells` KV cells for `sequences` sequence ids, its KV cache cleared; with
+        `streams`, `cells` for each sequence in a KV stream of its own (one context is kept: the last made)."""
         current = self._context
-        if current is None or cells > current.cells or sequences > current.sequences:
+        room = current.cells // current.sequences if current is not None and streams else None
+        if (
+            current is None
+            or current.unified == streams
+            or sequences > current.sequences
+            or cells > (room if streams else current.cells)
+        ):
             self._context = None  # free the old one first (peak memory)
-            cells = min(_room_for(cells), max(self.context_length * sequences, cells))
-            self._context = _Context(self._model, cells, sequences, self._threads)
+            if streams:
+                cells = sequences * min(_room_for(cells), max(self.context_length, cells))
+            else:
+                cells = min(_room_for(cells), max(self.context_length * sequences, cells))
+            self._context = _Context(self._model, cells, sequences, self._threads, unified=not streams)
         self._context.clear()
         return self._context
 
@@ -154,7 +164,9 @@ class LlamaCppRuntime(Runtime):
         self, batch: list[list[int]], max_new_tokens: int, stop_at_eos: bool
     ) -> list[list[int]]:
         length = len(batch[0])
-        context = self.context(len(batch) * (length + max_new_tokens), len(batch))
+        # a stream per row: in one cache every row's attention spans every row's cells (masked), and 8 rows of 128 + 64
+        # tokens stepped in 45-48 ms there against 30-33 in streams here (the server's decoder does the same)
+        context = self.context(length + max_new_tokens, len(batch), streams=len(batch) > 1)
         logits = context.decode([(seq, prompt, 0, False) for seq, prompt in enumerate(batch)])
         rows: list[list[int]] = [[] for _ in batch]
         for step in range(max_new_tokens):
