@@ -139,8 +139,8 @@ class LlamaCppRuntime(Runtime):
             or cells > (room if streams else current.cells)
         ):
             self._context = None  # free the old one first (peak memory)
-            if streams:
-                cells = sequences * min(_room_for(cells), max(self.context_length, cells))
+            if streams:  # each stream to llama.cpp's padding (256 cells), with room to grow
+                cells = sequences * min(-(-(cells + 64) // 256) * 256, max(self.context_length, cells))
             else:
                 cells = min(_room_for(cells), max(self.context_length * sequences, cells))
             self._context = _Context(self._model, cells, sequences, self._threads, unified=not streams)
