@@ -2,8 +2,9 @@
 
 Scoring asks llama.cpp for the logits of every position; generation and serving put several sequences into one
 `llama_decode` batch (each with its own `seq_id` and positions), so sequences of different lengths step together
-exactly: llama.cpp's attention mask keeps every sequence to its own cache cells. Generation shares one unified KV
-cache; the server's decoder gives each sequence a stream of its own (see `LlamaCppBatchDecoder`).
+exactly: llama.cpp's attention mask keeps every sequence to its own cache cells. Batched generation and the
+server's decoder give each sequence a KV stream of its own (see `LlamaCppBatchDecoder`); scoring and one sequence
+use one cache.
 """
 
 from __future__ import annotations
