@@ -55,9 +55,11 @@ def start_generation(
     max_tokens: int,
     body: Any,
     sampling: Sampling | None = None,
+    token_logprobs: bool | None = None,
 ) -> Generation:
     """Queue `prompt` on `served`'s scheduler with the request's sampling (or `sampling`) and stops (429 when the
-    queue is full)."""
+    queue is full); each token's log-probability computed where `token_logprobs` (default: the body's
+    `token_logprobs`, else always)."""
     state = state_of(http)
     generation = Generation(
         served,
@@ -69,7 +71,7 @@ def start_generation(
         state.metrics,
         ignore_eos=getattr(body, "ignore_eos", False),
         prompt_logprobs=bool(getattr(body, "prompt_logprobs", False)),
-        token_logprobs=getattr(body, "token_logprobs", True),  # TGI's answers always carry them
+        token_logprobs=getattr(body, "token_logprobs", True) if token_logprobs is None else token_logprobs,
     )
     generation.start()
     return generation

@@ -102,7 +102,10 @@ async def _answer(body: GenerateRequest, http: Request, stream: bool) -> Any:
     else:  # what is cut later may be any length: tokenized whole, off the event loop
         prompt = await asyncio.to_thread(served.current.runtime.encode, body.inputs)
         prompt = prompt[-params.truncate :]  # TGI keeps the last `truncate` tokens of the input
-    generation = start_generation(http, served, prompt, budget, params)
+    # streamed tokens and `details` carry each token's logprob; a plain answer only the text
+    generation = start_generation(
+        http, served, prompt, budget, params, token_logprobs=stream or bool(params.details)
+    )
     special = set(served.current.runtime.tokenizer.all_special_ids)
     if stream:
         return sse(generation, _events(generation, params, special), _error_event)

@@ -359,7 +359,7 @@ def test_the_worker_computes_token_logprobs_only_for_answers_that_report_them(
     url, openai_client, monkeypatch
 ):
     """A softmax over the vocabulary per token is a few per cent of a batched step: OpenAI answers compute it only
-    when `logprobs` asks; TGI's streams always carry each token's logprob."""
+    when `logprobs` asks; TGI's streams always carry each token's logprob, its plain answers only with `details`."""
     from serving import scheduler
     from serving.sampling import logprob
 
@@ -381,3 +381,9 @@ def test_the_worker_computes_token_logprobs_only_for_answers_that_report_them(
     )
     assert streamed.status_code == 200 and '"logprob":-' in streamed.text.replace(" ", "")
     assert len(computed) == 9
+    plain = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
+    assert httpx.post(f"{url}/generate", json=plain, timeout=60).status_code == 200
+    assert len(computed) == 9  # TGI's plain answer: the text only
+    plain["parameters"]["details"] = True
+    details = httpx.post(f"{url}/generate", json=plain, timeout=60).json()["details"]
+    assert len(computed) == 9 + len(details["tokens"]) and details["tokens"][0]["logprob"] < 0
