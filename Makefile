@@ -13,10 +13,10 @@ LLAMA_CPP := 0.3.36
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
-.PHONY: abuse help run test test-fast docs search gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro llama-server serve loadtest ui schedule services-down clean
+.PHONY: abuse help run test test-fast docs search gpu-check gpu-check-cpu techniques-table lint format install lock corpus bench repro llama-server loadtest-peers serve loadtest ui schedule services-down clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 run: install corpus ## install if needed, reproduce the pipeline with DVC, push weights to the DVC remote
 	dvc repro
@@ -95,6 +95,9 @@ repro: install corpus ## dvc repro only (no push)
 
 llama-server: install ## build llama.cpp's own server once per CPU (a peer for llmopt loadtest --peer); prints its path
 	infra/llama-server.sh $(LLAMA_CPP)
+
+loadtest-peers: install ## fresh llmopt + llama-server on every GGUF variant, the load test against both (~10 min)
+	python infra/loadtest_peers.py $$(infra/llama-server.sh $(LLAMA_CPP))
 
 serve: install ## serve the production model (models:/<name>@production)
 	llmopt serve
