@@ -96,7 +96,7 @@ repro: install corpus ## dvc repro only (no push)
 llama-server: install ## build llama.cpp's own server once per CPU (a peer for llmopt loadtest --peer); prints its path
 	infra/llama-server.sh $(LLAMA_CPP)
 
-loadtest-peers: install ## fresh llmopt + llama-server on every GGUF variant, the load test against both (~10 min)
+loadtest-peers: install ## fresh llmopt + llama-server on every GGUF variant, the load test against all (~6 min)
 	python infra/loadtest_peers.py $$(infra/llama-server.sh $(LLAMA_CPP))
 
 serve: install ## serve the production model (models:/<name>@production)
