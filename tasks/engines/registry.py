@@ -12,6 +12,17 @@ from tasks.engines.contract import Runtime
 
 ENGINES: dict[str, type[Runtime]] = {}
 
+# Modules only the server's batch decoders run (and the benchmark's served replay, measured afresh every run): no
+# build writes bytes with them and no evaluation runs them, so the build and evaluation keys leave them out, and a
+# change to how the server batches rebuilds and re-evaluates nothing (it rebuilt and re-evaluated every variant)
+SERVING_ONLY = (
+    "tasks.engines.llama_cpp.batch",
+    "tasks.engines.onnx.batch",
+    "tasks.engines.onnx.bf16_prompts",
+    "tasks.engines.onnx.graph_weights",
+    "tasks.engines.pytorch.slots",
+)
+
 
 def register_engine(cls: type[Runtime]) -> type[Runtime]:
     """Class decorator: the engine `cls.ENGINE` is `cls` (a second class of the same name is an error)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from tasks.config import EvaluateConfig, LongContextConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tasks.engines.manifest import VariantManifest
+from tasks.engines.registry import SERVING_ONLY
 from tasks.errors import DataValidationError
 from tasks.failpoints import failpoint
 from tasks.local_files import code_sha256, staged_file
@@ -251,7 +252,7 @@ def evaluation_key(
         "device": device,
         **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}),  # unsplit keys as before
         **({"long_context": _long_context_identity(long_context)} if long_context else {}),
-        "code": code_sha256(MEASURING_MODULES),
+        "code": code_sha256(MEASURING_MODULES, skip=SERVING_ONLY),
         "versions": [metadata.version(p) for p in ("torch", "transformers", "onnxruntime-genai")],
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

@@ -15,7 +15,7 @@ from typing import Any
 
 from tasks.engines.manifest import MANIFEST_FILE, VariantManifest, integrity_problem, read_manifest
 from tasks.engines.pytorch import runtime as pytorch
-from tasks.engines.registry import engine_libraries
+from tasks.engines.registry import SERVING_ONLY, engine_libraries
 from tasks.engines.speculative import DRAFT_FOLDER
 from tasks.errors import ArtifactError, BuildError, ConfigError
 from tasks.failpoints import failpoint
@@ -69,7 +69,7 @@ def variant_build_key(
 ) -> str:
     """Content address of a variant: same base, data, recipe, builder code and libraries → same artifact (and,
     for a speculative variant with a draft, the draft's own address)."""
-    builder = code_sha256(BUILDER_MODULES)
+    builder = code_sha256(BUILDER_MODULES, skip=SERVING_ONLY)
     versions = ",".join(f"{k}={v}" for k, v in sorted(_library_versions().items()))
     resolved = {**variant.model_dump(mode="json"), "runtime": variant.runtime.identity()}
     settings = json.dumps(resolved, sort_keys=True)  # defaults resolved: a changed default rebuilds

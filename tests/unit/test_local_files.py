@@ -143,3 +143,27 @@ def test_a_package_code_key_follows_its_subpackages(tmp_path, monkeypatch):
     before = code_sha256(("toolbox",))
     (tmp_path / "toolbox" / "engine" / "runtime.py").write_text("STEP = 2\n")
     assert code_sha256(("toolbox",)) != before  # an engine's runtime moved into a subpackage still counts
+
+
+def test_a_code_key_leaves_out_the_skipped_modules_and_the_serving_only_ones_are_real(tmp_path, monkeypatch):
+    """A change to how the server batches (tasks.engines.registry.SERVING_ONLY) rebuilds and re-evaluates nothing;
+    a change anywhere else in the package still does."""
+    from tasks.engines.registry import SERVING_ONLY
+
+    (tmp_path / "toolbox" / "engine").mkdir(parents=True)
+    for path in ("__init__.py", "engine/__init__.py"):
+        (tmp_path / "toolbox" / path).write_text("")
+    (tmp_path / "toolbox" / "engine" / "runtime.py").write_text("STEP = 1\n")
+    (tmp_path / "toolbox" / "engine" / "batch.py").write_text("ROWS = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    skip = ("toolbox.engine.batch",)
+    before = code_sha256(("toolbox",), skip=skip)
+    (tmp_path / "toolbox" / "engine" / "batch.py").write_text("ROWS = 2\n")
+    assert code_sha256(("toolbox",), skip=skip) == before != code_sha256(("toolbox",))
+    (tmp_path / "toolbox" / "engine" / "runtime.py").write_text("STEP = 2\n")
+    assert code_sha256(("toolbox",), skip=skip) != before
+    assert code_sha256(("tasks.engines",), skip=SERVING_ONLY) != code_sha256(("tasks.engines",))
+    for (
+        name
+    ) in SERVING_ONLY:  # each names a module that exists (a rename would otherwise key it again, silently)
+        assert code_sha256((name,))
