@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flows.services import answers  # noqa: E402
 from tasks.config_serving import LLAMA_STREAM_TOKENS  # noqa: E402
 from tasks.errors import LlmoptError  # noqa: E402
 from tasks.params_file import load_config  # noqa: E402
@@ -71,12 +70,6 @@ def llmopt() -> str:
     return str(beside) if beside.is_file() else "llmopt"
 
 
-def answers(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    return False
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("llama_server", help="llama-server's path (infra/llama-server.sh prints it)")
@@ -89,7 +82,7 @@ def main() -> int:
         return 2
     serve = config.serve
     url = f"http://{serve.host}:{serve.port}"
-    if answers(url):
+    if answers(f"{url}/health"):
         print(f"a server already answers at {url}: stop it first (the comparison needs fresh servers)")
         return 1
     workdir = Path(known.params).resolve().parent / config.project.workdir
@@ -114,7 +107,7 @@ def main() -> int:
                 started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + READY_TIMEOUT_S
             for label, _, at in servers:
-                while not answers(at):
+                while not answers(f"{at}/health"):
                     if time.monotonic() > deadline or any(p.poll() is not None for p in started):
                         print(f"{label} did not come up at {at}: see {logs}")
                         return 1

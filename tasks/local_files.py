@@ -142,23 +142,23 @@ def code_sha256(modules: tuple[str, ...], skip: tuple[str, ...] = ()) -> str:
     """SHA-256 of the source of the named modules (a package counts with every .py file in its folder and its
     subpackages, but the modules in `skip`), found by import name so keys that include code survive files moving
     between folders."""
-    skipped = {_module_file(name) for name in skip}
+    skipped = {Path(_module_spec(name).origin) for name in skip}
     digest = hashlib.sha256()
     for name in modules:
-        origin = _module_file(name)
-        spec = importlib.util.find_spec(name)
-        files = sorted(origin.parent.rglob("*.py")) if spec and spec.submodule_search_locations else [origin]
+        spec = _module_spec(name)
+        origin = Path(spec.origin)
+        files = sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin]
         for path in files:
             if path not in skipped:
                 digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-def _module_file(name: str) -> Path:
+def _module_spec(name: str) -> importlib.machinery.ModuleSpec:
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(f"code key: no module {name}")
-    return Path(spec.origin)
+    return spec
 
 
 def staging_path(dest: Path) -> Path:
