@@ -9,7 +9,8 @@ optimum-quanto; a technique whose package is missing is `skipped` with that reas
 image with a few carried wheels. An internal deadline (`--deadline-s`) keeps one run inside the time a borrowed
 GPU allows; techniques not reached are `skipped` with the reason. They run in tiers, so one loan always yields the
 headline: tier 1 is the fp32 reference's logits, the compiled decode loop in bf16, int8 and int4, and the request
-mix served through the scheduler at 16 clients; then FP8, bitsandbytes, the SDPA kernels, GPTQ and the eager rows
+mix served at 16 clients through the scheduler and its compiled decoder; then FP8, bitsandbytes, the SDPA kernels,
+GPTQ and the eager rows (the eager served replay among them)
 (`--only a,b` runs the ones a loan did not reach). Output: `gpu-check.json` or $GPU_CHECK_OUT. Exit status 1 when
 a technique that ran failed (a skip names the missing hardware, package or the deadline).
 """
@@ -82,7 +83,9 @@ CHECKS = tuple(
             replace(_compiled(BF16), technique="bf16_static_kv_compiled"),
             replace(_compiled(INT8), tier=1, batches=(1,)),
             replace(_compiled(INT4), tier=1, batches=(1,)),
-            replace(BF16, technique="served_bf16", served=True),
+            # the server's compiled decoder (tasks/engines/pytorch/graph_slots.py): its buckets compile at the
+            # scheduler's start, before the replay's clock
+            replace(_compiled(BF16), technique="served_bf16_compiled", served=True, batches=(1,)),
             _compiled(FP8),
             Check("bnb_nf4", _quantize("bnb_nf4", compute_dtype="bfloat16"), BNB),
             Check("bnb_fp4", _quantize("bnb_fp4", compute_dtype="bfloat16"), BNB),
@@ -92,6 +95,9 @@ CHECKS = tuple(
             Check("sdpa_cudnn", {"runtime": {"attention": "sdpa_cudnn", "dtype": "bfloat16"}}),
             _compiled(GPTQ),
             replace(BF16, tier=2),
+            replace(
+                BF16, technique="served_bf16", served=True, tier=2
+            ),  # the padded eager batch, for comparison
             Check("fp32_timed", {}),
             INT8,
             INT4,

@@ -20,6 +20,7 @@ SERVING_ONLY = (
     "tasks.engines.onnx.batch",
     "tasks.engines.onnx.bf16_prompts",
     "tasks.engines.onnx.graph_weights",
+    "tasks.engines.pytorch.graph_slots",
     "tasks.engines.pytorch.slots",
 )
 

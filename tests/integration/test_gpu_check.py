@@ -22,6 +22,7 @@ CPU_REFUSED = {
     "torchao_int4_tinygemm_compiled": "compiling the decode step with CUDA graphs needs a cuda target",
     "torchao_int8_weight_only_compiled": "compiling the decode step with CUDA graphs needs a cuda target",
     "tensor_parallel_2": "ranks need a multi-GPU cuda target",
+    "served_bf16_compiled": "compiling the decode step with CUDA graphs needs a cuda target",
 }
 
 

@@ -141,10 +141,10 @@ class DecodeLoop:
             if self._device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs were copied out
             # a bucket's first two steps compile, then record the CUDA graph (cudagraph trees record at the second)
-            first = index <= 2 and bucket not in self._compiled and _synced(self._device)
+            first = index <= 2 and bucket not in self._compiled and synced_clock(self._device)
             tokens[index] = step(tokens[index - 1].unsqueeze(1), position, bias)[:, 0]
             if first:
-                self.compile_s[bucket] = self.compile_s.get(bucket, 0.0) + _synced(self._device) - first
+                self.compile_s[bucket] = self.compile_s.get(bucket, 0.0) + synced_clock(self._device) - first
             position.add_(1)
             produced = index + 1
         if self.compile_s.get(bucket) is not None:
@@ -185,7 +185,7 @@ def _one_token_step(model: Any, cache: Any, bucket: tuple[int, int]) -> Callable
     return step
 
 
-def _synced(device: Any) -> float:
+def synced_clock(device: Any) -> float:
     """The clock once the device's queued work is done."""
     import torch
 

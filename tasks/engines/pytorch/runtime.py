@@ -120,7 +120,9 @@ class TorchRuntime(Runtime):
         return TorchSequence(self.model, self._no_grad, self.device, self._new_cache)
 
     def batch_decoder(self) -> BatchDecoder:
-        """On a GPU the sequences' steps run as one padded batch (what GPUs are for). On the CPU a half-precision
+        """On a GPU with `runtime.compile: true` a Llama-shaped model's running rows step as one compiled CUDA
+        graph per batch bucket (tasks/engines/pytorch/graph_slots.py); otherwise on a GPU the sequences' steps run
+        as one padded batch (what GPUs are for). On the CPU a half-precision
         model of a Llama-shaped architecture steps all sequences in one call over fixed KV rows
         (tasks/engines/pytorch/slots.py: its rows match stepping alone to bfloat16 rounding, as the padded batch
         does); fp32 steps each sequence alone, which keeps its results independent of the batch. Also alone: SDPA
@@ -130,10 +132,16 @@ class TorchRuntime(Runtime):
 
         settings = self.manifest.runtime_settings()
         plain = settings.sdpa_backend != "flash" and settings.sliding_window is None and not self._new_cache()
+        stepped = plain and settings.speculative is None and steps_in_slots(self.model)
+        if self.device.type == "cuda" and stepped and self._loop is not None:
+            from tasks.engines.pytorch.decode_loop import cuda_graph_compiler
+            from tasks.engines.pytorch.graph_slots import GraphSlotDecoder
+
+            return GraphSlotDecoder(self.model, self._no_grad, self.device, cuda_graph_compiler)
         if self.device.type == "cuda" and plain:
             return PaddedBatchDecoder(self.model, self._no_grad, self.device)
         half = self.manifest.dtype in ("bfloat16", "float16")
-        if half and plain and settings.speculative is None and steps_in_slots(self.model):
+        if half and stepped:
             return SlotBatchDecoder(self.model, self._no_grad, self.device)
         return TorchBatchDecoder(self.model, self._no_grad, self.device, self._new_cache)
 

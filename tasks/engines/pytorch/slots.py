@@ -80,6 +80,16 @@ def _packs(model: Any) -> bool:
     return packed_linear_works(model.model.layers[0].self_attn.o_proj.weight)
 
 
+def running_mask(position: Any, span: int, dtype: Any) -> Any:
+    """The attention mask of running rows, one query each at `position` (a tensor, one per row): every key up to
+    its own position among the first `span` ([rows, 1, 1, span], 0 or -inf)."""
+    import torch
+
+    seen = torch.arange(span, device=position.device)[None, :] <= position[:, None]
+    mask = torch.zeros(position.shape[0], 1, 1, span, dtype=dtype, device=position.device)
+    return mask.masked_fill_(~seen[:, None, None, :], float("-inf"))
+
+
 # model -> (per layer (qkv, o, gate_up, down), head): built once per model (under the lock), gone with it
 _PACKED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _PACKING = threading.Lock()
@@ -112,11 +122,15 @@ class SlotBatchDecoder(BatchDecoder):
     chunked_prefill = True  # prompt slices share the running rows' call
 
     def __init__(self, model: Any, no_grad: Any, device: Any) -> None:
+        import sys
+
         import torch
 
         self._model, self._no_grad, self._device = model, no_grad, device
         config = model.config
         self._layers = model.model.layers
+        # the model's own rotary function (looked up once: a compiled step traces no module table)
+        self._rotate = sys.modules[type(self._layers[0].self_attn).__module__].apply_rotary_pos_emb
         self._heads = config.num_attention_heads
         self._kv_heads = config.num_key_value_heads
         self._head_size = (
@@ -256,12 +270,9 @@ class SlotBatchDecoder(BatchDecoder):
         """One token for each of the first `len(decoding)` rows, then each (row, chunk) of `segments` after what
         its row holds, all through the projections and MLP together: logits [rows decoded + segments, vocabulary]
         (each row's next token, each chunk's last)."""
-        import sys
-
         import torch
-        import torch.nn.functional as F
 
-        model, device = self._model.model, self._device
+        model, device, head = self._model.model, self._device, self._head
         count = len(decoding)
         lengths = self._lengths
         row_of = [*range(count), *(row for row, chunk in segments for _ in chunk)]
@@ -274,12 +285,10 @@ class SlotBatchDecoder(BatchDecoder):
         position = torch.tensor(positions, device=device)
         hidden = model.embed_tokens(ids)  # [tokens, hidden]
         cos, sin = model.rotary_emb(hidden[None], position[None])
-        width = len(ids)
+        span, mask = 0, None
         if count:
             span = int(lengths[:count].max()) + 1
-            seen = torch.arange(span, device=device)[None, :] <= lengths[:count, None].to(device)
-            mask = torch.zeros(count, 1, 1, span, dtype=hidden.dtype, device=device)
-            mask.masked_fill_(~seen[:, None, None, :], float("-inf"))
+            mask = running_mask(position[:count], span, hidden.dtype)
         # per prompt slice: (row, first position, where its tokens start among the step's, how many, its mask:
         # causal after what its row holds; None from position 0, where the kernel's own causal path needs none)
         slices, offset = [], count
@@ -292,8 +301,32 @@ class SlotBatchDecoder(BatchDecoder):
                 causal.masked_fill_(~seen, float("-inf"))
             slices.append((row, start, offset, size, causal))
             offset += size
-        rotate = sys.modules[type(self._layers[0].self_attn).__module__].apply_rotary_pos_emb
-        weights, head = self._weights, self._head
+        hidden = self._through_layers(hidden, cos, sin, row_index, position, count, span, mask, slices)
+        last = [*range(count), *(first + size - 1 for _, _, first, size, _ in slices)]
+        return head(model.norm(hidden[last]))
+
+    def _through_layers(
+        self,
+        hidden: Any,
+        cos: Any,
+        sin: Any,
+        row_index: Any,
+        position: Any,
+        count: int,
+        span: int,
+        mask: Any,
+        slices: list[tuple[int, int, int, int, Any]],
+    ) -> Any:
+        """The decoder layers over a step's tokens ([tokens, hidden]; each token's row and position): the first
+        `count` are the running rows' one token each, attending over their first `span` positions under `mask`;
+        each of `slices` (row, first position, first token, tokens, causal mask or None) a prompt slice. Each
+        token's key and value are written at its row's position. Tensor work only, no host reads: what a GPU's
+        compiled step captures whole (tasks/engines/pytorch/graph_slots.py)."""
+        import torch
+        import torch.nn.functional as F
+
+        width, rotate = hidden.shape[0], self._rotate
+        weights = self._weights
         sizes = weights[0][0].sizes  # q, k, v widths
         for number, layer in enumerate(self._layers):
             attention = layer.self_attn
@@ -331,8 +364,7 @@ class SlotBatchDecoder(BatchDecoder):
             hidden = hidden + out(torch.cat(parts))
             gate, up = gate_up(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
             hidden = hidden + down(layer.mlp.act_fn(gate) * up)
-        last = [*range(count), *(first + size - 1 for _, _, first, size, _ in slices)]
-        return head(model.norm(hidden[last]))
+        return hidden
 
     def _move(self, source: int, target: int, swap: bool = False) -> None:
         """Put row `source` (its cache, id, tokens, length) at row `target`; with `swap`, `target`'s goes to
