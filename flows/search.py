@@ -9,6 +9,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -93,9 +94,16 @@ class Builds:
 
 @task(name="build", task_run_name="build-{name}", cache_policy=NO_CACHE)
 def search_build_task(
-    name: str, variant: VariantConfig, base: PreparedBase, data_hash: str, root: Path, calibration: list[str]
+    name: str,
+    variant: VariantConfig,
+    base: PreparedBase,
+    data_hash: str,
+    root: Path,
+    calibration: list[str],
+    device: str = "cpu",
 ) -> VariantManifest:
-    """One build into `.llmopt/search/variants/<name>`; bytes a run's variant already holds are linked."""
+    """One build into `.llmopt/search/variants/<name>`; bytes a run's variant already holds are linked;
+    calibration on the target's `device`."""
     with progress_bar("build", name) as update:
         return build_variant(
             name,
@@ -107,6 +115,7 @@ def search_build_task(
             lambda _, i, n: update(i, n),
             statistics=root / "statistics",
             siblings=root / "variants",
+            device=device,
         )
 
 
@@ -124,10 +133,18 @@ def _search(config: Config, root: Path) -> SearchReport:
     experiment_id = configure_tracking(config.tracking, root)
     lineage = {"base_hash": base.content_hash, "data_hash": data.content_hash}
     fingerprint = benchmark_fingerprint(config)
+    build_one = partial(
+        search_build_task,
+        base=base,
+        data_hash=data.content_hash,
+        root=work,
+        calibration=calibration,
+        device=config.target.device,
+    )
     with parent_run(experiment_id, config, lineage, fingerprint, kind="search") as run:
         baseline, builds = config.select.baseline, Builds(work, base.content_hash)
         for name, variant in {baseline: config.variants[baseline], **defaults}.items():
-            builds.add(name, search_build_task(name, variant, base, data.content_hash, work, calibration))
+            builds.add(name, build_one(name, variant))
         reference = IsolatedRuntime(builds.folders[baseline], config.target)  # engines apart: see isolated.py
         try:
             windows = split_windows(reference.encode, calibration, evaluation, config)
@@ -153,9 +170,7 @@ def _search(config: Config, root: Path) -> SearchReport:
 
         def build(candidate: Candidate) -> bool:
             try:
-                built = search_build_task(
-                    candidate.name, candidate.variant, base, data.content_hash, work, calibration
-                )
+                built = build_one(candidate.name, candidate.variant)
             except Exception as exc:  # one candidate's failure is its record, not the search's end
                 notes.append(f"{candidate.name}: not built: {str(exc).splitlines()[0][:300]}")
                 return False

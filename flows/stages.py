@@ -110,8 +110,9 @@ def build_task(
     inputs: Inputs,
     space: Workspace,
     draft: tuple[str, VariantConfig] | None = None,
+    device: str = "cpu",
 ) -> Built:
-    """`draft`: the proposing variant of a `speculative: {method: draft}` recipe (built into its folder)."""
+    """`draft`: a `speculative: {method: draft}` recipe's proposer (built into its folder); `device`: the target's."""
     with timed("build", name) as span:
         base = replace(inputs.base, path=space.fetch(inputs.base_stored))
         calibration = read_split(space.fetch(inputs.data_stored), "calibration")
@@ -127,6 +128,7 @@ def build_task(
                 lambda _, i, n: update(i, n),
                 statistics=space.local("statistics"),
                 draft=draft,
+                device=device,
             )
         stored = space.publish(out_dir)
     return Built(name, manifest, replace(stored, path=space.workdir / "variants" / name), span[0])
@@ -296,7 +298,8 @@ def measure_variants(
             draft_name = variant.runtime.speculative.draft if variant.runtime.speculative else None
             draft = (draft_name, config.variants[draft_name]) if draft_name else None
             before = [builds[other] for other in waits_for]
-            builds[name] = build_task.submit(name, variant, inputs, space, draft, wait_for=before)
+            device = config.target.device  # where calibration runs (a GPU's when the worker has it)
+            builds[name] = build_task.submit(name, variant, inputs, space, draft, device, wait_for=before)
         evaluations = {}
         for name in order:
             reference = evaluations.get(order[0])  # a future: each evaluation waits for the baseline's

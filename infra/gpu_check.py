@@ -306,6 +306,7 @@ def _measure(
         "generated",
         folder,
         calibration=base.calibration,
+        device=device,
     )
     build_s = time.perf_counter() - started
     target = TargetConfig(device=device, threads=os.cpu_count() or 1, tensor_parallel=check.ranks)

@@ -22,7 +22,7 @@ from tasks.failpoints import failpoint
 from tasks.inputs.load import PreparedBase, save_tokenizer
 from tasks.local_files import code_sha256, combined_sha256, file_hashes, folder_size, staged_folder
 from tasks.params import VariantConfig
-from tasks.techniques.calibration import statistics_cache
+from tasks.techniques.calibration import calibration_device, statistics_cache
 from tasks.techniques.quantize.methods import METHODS
 from tasks.techniques.registry import ExportJob, StepArgumentError
 from tasks.weights.catalog import weights_format as stored_format
@@ -113,6 +113,7 @@ def build_variant(
     statistics: Path | None = None,
     draft: tuple[str, VariantConfig] | None = None,
     siblings: Path | None = None,
+    device: str = "cpu",
 ) -> VariantManifest:
     """Build the variant into `out_dir`, or return the existing manifest when an intact artifact has the same key.
 
@@ -122,7 +123,9 @@ def build_variant(
     `draft`: the (name, recipe) of the variant a `speculative: {method: draft}` variant proposes with, built into
     its `draft/` folder. `siblings` (default: `out_dir`'s folder): where other variants' folders lie; bytes one
     of them already holds under the same key are linked, not built again (a speculative variant's weights are its
-    plain twin's, a draft's are its own variant's).
+    plain twin's, a draft's are its own variant's). `device`: the target's, where calibration runs when torch sees
+    it (tasks/techniques/calibration.py `calibration_device`; the bytes are the same method's either way, so not
+    part of the key).
     """
     siblings = siblings or out_dir.parent
     speculative = variant.runtime.speculative
@@ -141,7 +144,8 @@ def build_variant(
     checkpoints = out_dir.with_name(out_dir.name + ".checkpoint") / build_key[:16]
     context = BuildContext(list(calibration or []), checkpoints, progress, source=base.source)
     twin = plain_twin(variant)
-    with staged_folder(out_dir) as staging, statistics_cache(statistics):  # nothing half-built stays behind
+    # nothing half-built stays behind
+    with staged_folder(out_dir) as staging, statistics_cache(statistics), calibration_device(device):
         built = _linked_from_sibling(
             siblings,
             build_key if twin is None else variant_build_key(twin, base.content_hash, data_hash),
@@ -169,6 +173,7 @@ def build_variant(
                 progress,
                 statistics,
                 siblings=siblings,
+                device=device,
             )
         if variant.runtime.speculative is not None:
             notes.append(_speculation_note(variant))

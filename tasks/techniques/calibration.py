@@ -32,6 +32,7 @@ from tasks.errors import BuildError
 
 WINDOW_TOKENS = 256  # tokens per calibration window, for every technique that calibrates
 _CACHE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("statistics_cache", default=None)
+_DEVICE: contextvars.ContextVar[str] = contextvars.ContextVar("calibration_device", default="cpu")
 
 
 @contextlib.contextmanager
@@ -42,6 +43,41 @@ def statistics_cache(folder: Path | None) -> Iterator[None]:
         yield
     finally:
         _CACHE.reset(token)
+
+
+@contextlib.contextmanager
+def calibration_device(device: str) -> Iterator[None]:
+    """Calibration inside this block runs on `device` (the build passes a cuda target's device) where torch sees
+    it, else on the CPU: the capture's forward passes (the model moved there and back) and the per-matrix GPTQ
+    rounding that asks `compute_device` (tasks/techniques/tinygemm_rounding.py). On a GPU that is seconds, where a
+    ~1 B model's calibration took minutes on 16 host cores. Results come back to the CPU either way."""
+    token = _DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def compute_device() -> Any:
+    """The torch device calibration runs on (see `calibration_device`)."""
+    import torch
+
+    device = torch.device(_DEVICE.get())
+    return device if device.type != "cuda" or torch.cuda.is_available() else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _on_compute_device(model: Any) -> Iterator[None]:
+    """`model` on the compute device inside the block, back where it was after."""
+    device, original = compute_device(), next(model.parameters()).device
+    if device == original:
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to(original)
 
 
 @dataclass(frozen=True)
@@ -199,23 +235,31 @@ def _capture(
         return record
 
     handles = [module.register_forward_hook(hook(name)) for name, module in modules.items()]
-    tokens = 0
     try:
         model.eval()
-        with torch.no_grad():
-            for index, ids in enumerate(windows):
-                model(input_ids=torch.tensor([ids], device=model.device))
-                last[0], last[1] = None, {}
-                tokens += len(ids)
-                if progress is not None:
-                    progress(index + 1, len(windows))
+        with torch.no_grad(), _on_compute_device(model):
+            tokens = _run_windows(model, windows, last, progress)
     finally:
         for handle in handles:
             handle.remove()
-    return {  # a module that never ran is left out
-        kind: InputStatistics({n: t for n, t in totals.items() if not isinstance(t, int)}, tokens)
+    return {  # a module that never ran is left out; sums on the CPU wherever they were taken
+        kind: InputStatistics({n: t.cpu() for n, t in totals.items() if not isinstance(t, int)}, tokens)
         for kind, totals in sums.items()
     }
+
+
+def _run_windows(model: Any, windows: list[list[int]], last: list[Any], progress: Any) -> int:
+    """Each window through `model` (the hooks record); the tokens run."""
+    import torch
+
+    tokens = 0
+    for index, ids in enumerate(windows):
+        model(input_ids=torch.tensor([ids], device=model.device))
+        last[0], last[1] = None, {}
+        tokens += len(ids)
+        if progress is not None:
+            progress(index + 1, len(windows))
+    return tokens
 
 
 def mean_square(rows: Any) -> Any:

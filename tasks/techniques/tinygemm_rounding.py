@@ -124,10 +124,10 @@ def gptq_onto_tinygemm(weight: Any, hessian: Any, group_size: int) -> TinygemmRo
     pinned_low = _one_hot_columns(grouped.argmin(dim=2), group_size, columns) | flat
     pinned_high = _one_hot_columns(grouped.argmax(dim=2), group_size, columns) & ~flat
     w, upper = original.float().clone(), _inverse_hessian_factor(hessian, original)
-    levels = torch.zeros(rows, columns, dtype=torch.int32)
+    levels = torch.zeros(rows, columns, dtype=torch.int32, device=w.device)
     for start in range(0, columns, group_size):
         end = start + group_size
-        part, errors = w[:, start:end].clone(), torch.zeros(rows, group_size)
+        part, errors = w[:, start:end].clone(), torch.zeros(rows, group_size, device=w.device)
         inverse = upper[start:end, start:end]
         for i in range(group_size):
             column, at = part[:, i], start + i
@@ -139,6 +139,7 @@ def gptq_onto_tinygemm(weight: Any, hessian: Any, group_size: int) -> TinygemmRo
             part[:, i:] -= error[:, None] * inverse[i, i:][None, :]
             errors[:, i] = error
         w[:, end:] -= errors @ upper[start:end, end:]
+    levels, original = levels.cpu(), original.cpu()
     return TinygemmRounded(levels, settled_on_grid(levels, original, group_size))
 
 
@@ -147,7 +148,7 @@ def _one_hot_columns(positions: Any, group_size: int, columns: int) -> Any:
     import torch
 
     rows, groups = positions.shape
-    marks = torch.zeros(rows, groups, group_size, dtype=torch.bool)
+    marks = torch.zeros(rows, groups, group_size, dtype=torch.bool, device=positions.device)
     marks.scatter_(2, positions[:, :, None], True)
     return marks.reshape(rows, columns)
 
@@ -159,7 +160,7 @@ def _inverse_hessian_factor(hessian: Any, weight: Any) -> Any:
     h = hessian.clone().float()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
-    h += DAMPING * torch.mean(torch.diag(h)) * torch.eye(h.shape[0])
+    h += DAMPING * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], device=h.device)
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
 
@@ -174,6 +175,7 @@ def round_onto_tinygemm(
     without them; the model is left as it was. Raises when torchao would read other integers back from a stored
     matrix than the ones chosen here."""
     from tasks.errors import BuildError
+    from tasks.techniques.calibration import compute_device
     from tasks.techniques.gptq_rounding import hessians
 
     report = (lambda i, n: progress("calibration", i, n)) if progress else None
@@ -182,8 +184,9 @@ def round_onto_tinygemm(
     for i, (name, module) in enumerate(modules.items()):
         if progress is not None:
             progress("int4 grid", i, len(modules))
-        if windows:
-            result = gptq_onto_tinygemm(module.weight, found[name], group_size)
+        if windows:  # on the calibration device (a cuda target's GPU), back on the CPU after
+            device = compute_device()
+            result = gptq_onto_tinygemm(module.weight.to(device), found[name].to(device), group_size)
         else:
             result = nearest_on_tinygemm(module.weight, group_size)
         for device, eps in (("cuda", CUDA_EPS), ("cpu", CPU_EPS)):

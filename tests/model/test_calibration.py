@@ -12,7 +12,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tasks.engines.onnx.export import OnnxGenAIStep, _calibrated_int4
 from tasks.params import VariantConfig
 from tasks.techniques.build import BuildContext
-from tasks.techniques.calibration import WINDOW_TOKENS, capture_inputs, mean_square, unit_token_gram
+from tasks.techniques.calibration import (
+    WINDOW_TOKENS,
+    calibration_device,
+    capture_inputs,
+    compute_device,
+    mean_square,
+    unit_token_gram,
+)
 from tasks.techniques.prune import Prune, PruneStep
 from tasks.techniques.quantize.step import Quantize, QuantizeStep
 from tests.factories import synthetic_sentences
@@ -55,6 +62,21 @@ def test_the_capture_sums_exactly_the_inputs_the_modules_saw_and_removes_its_hoo
     assert torch.allclose(found.sums["lm_head"], expected)
     assert torch.allclose(found.means()["lm_head"], expected / found.tokens)
     assert not model.lm_head._forward_hooks
+
+
+def test_a_cuda_target_calibrates_where_torch_sees_a_gpu_else_on_the_cpu_with_the_same_sums(model, tokenizer):
+    """A build for a cuda target asks for calibration on the GPU (`calibration_device`); where torch sees none
+    (this machine, or a worker without one) it runs on the CPU as before, and the sums come back on the CPU."""
+    windows = [tokenizer(text)["input_ids"] for text in synthetic_sentences(2, seed=1)]
+    modules = {"lm_head": model.lm_head}
+    plain = capture_inputs(model, modules, windows, mean_square)
+    with calibration_device("cuda"):
+        where = compute_device()
+        found = capture_inputs(model, modules, windows, mean_square)
+    assert where.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert compute_device().type == "cpu"  # outside the block: the default again
+    assert found.sums["lm_head"].device.type == "cpu" and next(model.parameters()).device.type == "cpu"
+    assert torch.allclose(found.sums["lm_head"], plain.sums["lm_head"])
 
 
 def test_the_capture_removes_its_hooks_when_a_window_fails(model):

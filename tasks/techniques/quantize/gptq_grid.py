@@ -36,7 +36,8 @@ register_method(
                 "`quantize: {method: torchao_int4_gptq}`",
                 ("group_size", "calibration_windows"),
                 "GPTQ on the calibration split onto the same tinygemm grid: torchao's rounding at load stores "
-                "GPTQ's integers (checked for every matrix at build)",
+                "GPTQ's integers (checked for every matrix at build); calibration and rounding run on the "
+                "target's GPU",
             ),
         ),
     )
