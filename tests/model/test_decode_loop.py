@@ -15,7 +15,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
-from tasks.engines.pytorch.decode_loop import STOP_CHECK_EVERY, DecodeLoop, batch_bucket, length_bucket
+from tasks.engines.pytorch.decode_loop import (
+    STOP_CHECK_EVERY,
+    DecodeLoop,
+    batch_bucket,
+    cache_bytes,
+    length_bucket,
+)
 from tasks.params import VariantConfig
 from tasks.techniques.build import build_variant
 
@@ -198,3 +204,38 @@ def test_the_runtime_stops_the_loop_where_generate_stops(trained_base, tmp_path)
     runtime._loop = DecodeLoop(runtime.model, runtime.device, None, runtime._no_grad)
     assert runtime.generate([ids], 12) == expected
     assert runtime.generate([ids], 12, stop_at_eos=False) == to_length  # running to length bars them all
+
+
+def test_buckets_the_device_cannot_hold_beside_a_new_one_are_dropped_least_recently_used_first(
+    model, monkeypatch
+):
+    """Free memory for one small cache: a new bucket drops the others (the least recently used first), and every
+    call's tokens stay `generate`'s."""
+    from tasks.engines.pytorch import decode_loop
+
+    monkeypatch.setattr(decode_loop, "device_free_bytes", lambda device: cache_bytes(model, (1, 256)))
+    counting = Counting()
+    loop = DecodeLoop(model, torch.device("cpu"), counting.compiler, torch.inference_mode)
+    expected = reference(model, PROMPTS, 6)
+    assert loop.generate(PROMPTS, 6) == expected and loop.buckets == [(4, 256)]  # the first is made anyway
+    assert loop.generate(PROMPTS[:1], 6) == expected[:1] and loop.buckets == [(1, 256)]
+    assert loop.generate(PROMPTS, 6) == expected and loop.buckets == [(4, 256)]
+    # the bucket made again met dynamo's graph of its shapes (its guards are on shapes, not on the cache dropped)
+    assert counting.graphs == 2 and set(loop.compile_s) == {(4, 256), (1, 256)}
+
+
+def test_buckets_past_the_compile_limit_step_eagerly_with_the_same_tokens(model, monkeypatch, caplog):
+    """After `MAX_COMPILED_BUCKETS` compiled buckets a new one steps eagerly (said once in the log), where dynamo's
+    recompile limit would stop a fullgraph compile with an error half-way through an evaluation."""
+    from tasks.engines.pytorch import decode_loop
+
+    monkeypatch.setattr(decode_loop, "MAX_COMPILED_BUCKETS", 1)
+    counting = Counting()
+    loop = DecodeLoop(model, torch.device("cpu"), counting.compiler, torch.inference_mode)
+    assert loop.generate(PROMPTS, 6) == reference(model, PROMPTS, 6)
+    with caplog.at_level("WARNING", logger=decode_loop.__name__):
+        assert loop.generate(PROMPTS[:1], 6) == reference(model, PROMPTS[:1], 6)
+        assert loop.generate(PROMPTS[:2], 6) == reference(model, PROMPTS[:2], 6)
+    assert counting.graphs == 1 and loop.buckets == [(1, 256), (2, 256), (4, 256)]
+    said = [r.getMessage() for r in caplog.records if r.name == decode_loop.__name__]
+    assert said == ["decode loop: 1 buckets compiled; new ones step eagerly"]

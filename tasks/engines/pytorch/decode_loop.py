@@ -15,6 +15,10 @@ at 10 % of the memory bandwidth. Here the host does nothing per token but queue 
   call's tokens, which the next step reads; positions advance in place. Nothing comes back to the host until the
   end, except, when the call stops at end of sequence, one look every `STOP_CHECK_EVERY` tokens.
 
+Buckets are kept while the device's memory holds them: a new bucket's cache evicts the least recently used ones
+first (`CACHE_MEMORY_SHARE`), and after `MAX_COMPILED_BUCKETS` compiled ones a new bucket steps eagerly (same
+tokens, logged once) rather than hit dynamo's recompile limit.
+
 The attention mask is made inside the step from the position (keys up to the current one), so the same graph serves
 every position, and eager and compiled steps mask alike (transformers skips the mask of a one-token query when none
 is given, which over a static cache would attend to its empty tail).
@@ -22,11 +26,22 @@ is given, which over a static cache would attend to its empty tail).
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 LENGTH_STEP = 256  # static caches hold a multiple of this many positions
+# Buckets compiled at most (per loop); later ones step eagerly. Every bucket is one more graph of the same step, and
+# past dynamo's recompile limit (the runtime raises it to 64) a fullgraph compile raises mid-run instead: an
+# evaluation of many prompt lengths (lm-eval's) would fail half-way
+MAX_COMPILED_BUCKETS = 32
+# A new bucket's cache may take this share of the device's free memory; least recently used buckets go first
+# (a (16, 4096) cache of a 1 B Llama is ~10 GB, and buckets were kept for the runtime's life)
+CACHE_MEMORY_SHARE = 0.8
 # stopping at end of sequence: the host looks whether every row ended once per this many tokens
 STOP_CHECK_EVERY = 16
 
@@ -61,7 +76,9 @@ class DecodeLoop:
     def __init__(self, model: Any, device: Any, compiler: Callable | None, no_grad: Any) -> None:
         self._model, self._device, self._no_grad = model, device, no_grad
         self._compiler = compiler or (lambda step: step)
-        self._caches: dict[tuple[int, int], tuple[Any, Callable]] = {}
+        # (batch, length) bucket -> its cache and step, least recently used first
+        self._caches: OrderedDict[tuple[int, int], tuple[Any, Callable]] = OrderedDict()
+        self._compiles = 0  # steps handed to the compiler so far (evicted buckets made again count again)
         self.context = model.config.max_position_embeddings
         # seconds of each bucket's first step: compiling it (and recording its CUDA graph), reported apart
         self.compile_s: dict[tuple[int, int], float] = {}
@@ -155,9 +172,47 @@ class DecodeLoop:
         if bucket not in self._caches:
             from transformers import StaticCache
 
+            self._evict_for(bucket)
             cache = StaticCache(config=self._model.config, max_cache_len=bucket[1])
-            self._caches[bucket] = (cache, self._compiler(_one_token_step(self._model, cache, bucket)))
+            step = _one_token_step(self._model, cache, bucket)
+            if self._compiles < MAX_COMPILED_BUCKETS:
+                self._compiles += 1
+                step = self._compiler(step)
+            elif self._compiles == MAX_COMPILED_BUCKETS:
+                self._compiles += 1  # said once
+                log.warning(f"decode loop: {MAX_COMPILED_BUCKETS} buckets compiled; new ones step eagerly")
+            self._caches[bucket] = (cache, step)
+        self._caches.move_to_end(bucket)
         return self._caches[bucket]
+
+    def _evict_for(self, bucket: tuple[int, int]) -> None:
+        """Least recently used buckets dropped until `bucket`'s cache fits the device's free memory's share."""
+        need = cache_bytes(self._model, bucket)
+        while self._caches and need > CACHE_MEMORY_SHARE * device_free_bytes(self._device):
+            evicted, _ = self._caches.popitem(last=False)
+            self._compiled.discard(evicted)
+
+
+def cache_bytes(model: Any, bucket: tuple[int, int]) -> int:
+    """Bytes of a static KV cache of `bucket` (rows, positions) for `model`: keys and values of every layer."""
+    config = model.config
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    size = model.get_input_embeddings().weight.element_size()
+    return 2 * config.num_hidden_layers * bucket[0] * heads * bucket[1] * head * size
+
+
+def device_free_bytes(device: Any) -> int:
+    """Memory a new tensor on `device` can take: a GPU's free memory plus what torch's allocator holds unused; the
+    process's free memory on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    from tasks.engines.contract import free_memory
+
+    return free_memory()
 
 
 def _mask_up_to(position: Any, bucket: tuple[int, int]) -> Any:
