@@ -175,6 +175,9 @@ def _configure_environment(workdir: Path, debug: bool) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # a cuda target's compiled decode steps: inductor's kernels kept with the project, so the next process (a
+    # benchmark's, the server's) and the next run find them instead of compiling again
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(workdir / "inductor"))
     if not debug:
         from tasks.quiet import quiet_libraries
 

@@ -19,3 +19,19 @@ def test_a_deprecation_line_is_printed_once_per_command(tmp_path, capsys, monkey
         "deprecated: params.yaml: variants.ds.runtime: engine: deepspeed → wrapper: deepspeed (the former "
         "spelling still works, for now)"
     ]
+
+
+def test_the_environment_keeps_inductors_kernels_in_the_work_folder_unless_the_user_set_them(
+    tmp_path, monkeypatch
+):
+    """A cuda target's compiled decode steps: their kernels kept with the project (reused by the next process and
+    run), where a user's own TORCHINDUCTOR_CACHE_DIR is left alone."""
+    from flows.cli.session import _configure_environment
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the function sets stays in this test
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    _configure_environment(tmp_path, debug=True)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/elsewhere"
+    _configure_environment(tmp_path, debug=True)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
