@@ -165,19 +165,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--cpu", action="store_true", help="run on the CPU (CUDA-only techniques are skipped)"
-    )
-    parser.add_argument(
-        "--tiny", action="store_true", help="a tiny Llama (seconds) instead of ~1 B parameters"
-    )
-    parser.add_argument(
-        "--only", default="", help="comma-separated techniques to run (fp32, the reference, always runs)"
-    )
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU (CUDA-only techniques skipped)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama (seconds), not ~1 B parameters")
+    parser.add_argument("--only", default="", help="techniques to run, comma-separated (fp32 always runs)")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="stop starting techniques after this")
-    parser.add_argument(
-        "--out", default=os.environ.get("GPU_CHECK_OUT", "gpu-check.json"), help="the JSON file"
-    )
+    parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", "gpu-check.json"), help="the JSON")
     return parser.parse_args(argv)
 
 
@@ -354,18 +346,7 @@ def _measure(
         "_logits": logits,
     }
     if measured.served:
-        level = measured.served[0]
-        result["served"] = {
-            "how": "the request mix through the server's scheduler in this process (no HTTP), every request to its "
-            "budget; offline: the same engine's batch-8 decode",
-            "clients": level.concurrency,
-            "tok_s": round(level.tok_s, 1),
-            "ttft_p50_ms": round(level.ttft_p50_ms, 1),
-            "ttft_p95_ms": round(level.ttft_p95_ms, 1),
-            "decode_tok_s": round(level.decode_tok_s, 1),
-            "prefill_share": round(level.prefill_share, 3),
-            "errors": level.errors,
-        }
+        result["served"] = _served(measured.served[0], folder, target, plan)
     if reference is not None:
         difference = (logits - reference).norm() / reference.norm()
         result["logits_vs_fp32"] = {
@@ -374,6 +355,27 @@ def _measure(
             "argmax_agreement": round(float((logits.argmax(-1) == reference.argmax(-1)).float().mean()), 4),
         }
     return result
+
+
+def _served(offline: Any, folder: Path, target: Any, plan: Any) -> dict[str, Any]:
+    """The plan's requests from `SERVED_CLIENTS` streaming clients over HTTP to `llmopt serve`'s app in this process
+    (serving/in_process.py), beside the same requests replayed offline through the same scheduler settings (the
+    benchmark's served replay, `offline`): the offline figure is the served one's ceiling."""
+    from serving.in_process import level_figures, served_over_http
+    from tasks.engines import load_runtime
+
+    runtime = load_runtime(folder, target)
+    try:
+        http = served_over_http(runtime, plan.requests, SERVED_CLIENTS, plan.limits)
+    finally:
+        getattr(runtime, "close", lambda: None)()
+    return {
+        "how": "every request to its budget; http: streamed to the app on loopback; offline: the scheduler alone",
+        "clients": SERVED_CLIENTS,
+        "http": level_figures(http),
+        "offline": level_figures(offline),
+        "http_share_of_offline": round(http.tok_s / offline.tok_s, 3) if offline.tok_s else None,
+    }
 
 
 def _served_plan(base: GeneratedBase, tiny: bool) -> Any:

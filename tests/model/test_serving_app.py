@@ -3,15 +3,13 @@ chat, streamed or not) and huggingface_hub's InferenceClient (TGI's text_generat
 
 from __future__ import annotations
 
-import socket
-import threading
+import contextlib
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
-from serving.app import create_app
-from serving.models import Limits, LoadedModel, ModelRouter, ServedModel
+from serving.in_process import serving_in_thread
+from serving.models import ServedModel
 from tasks.config import ServeConfig, TargetConfig
 from tasks.engines import Runtime, load_runtime
 from tests.factories import TINY_ENGINE_RECIPES
@@ -25,35 +23,11 @@ def runtime(request, tiny_engine_dir) -> Runtime:
     return load_runtime(tiny_engine_dir(request.param), TargetConfig(threads=1))
 
 
-def serve_runtime(runtime: Runtime, name: str, version: str, settings: ServeConfig) -> ServedModel:
-    """A runtime already in memory, served as `name/version` (never swapped), as `llmopt serve` serves a loaded
-    registry version."""
-    scheduler = Limits.of(settings).scheduler(runtime, None)
-    return ServedModel(name, None, LoadedModel(version, runtime, scheduler))
-
-
-@contextmanager
 def live_server(
     runtime: Runtime, settings: ServeConfig, version: str = "3"
-) -> Iterator[tuple[str, ServedModel]]:
-    """(URL, served model) of the app under uvicorn on a free loopback port, in a thread; stopped on exit. The
-    socket listens before uvicorn starts, so clients can connect at once (the kernel queues them)."""
-    import uvicorn
-
-    served = serve_runtime(runtime, "tiny", version, settings)
-    app = create_app(ModelRouter([served]), settings)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", served
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        listener.close()
+) -> contextlib.AbstractContextManager[tuple[str, ServedModel]]:
+    """(URL, served model) of the app under uvicorn on a free loopback port, in a thread; stopped on exit."""
+    return serving_in_thread(runtime, "tiny", settings, version)
 
 
 @pytest.fixture(scope="module")

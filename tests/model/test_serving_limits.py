@@ -194,8 +194,8 @@ def test_one_server_routes_each_request_to_the_model_it_names(onnx_runtime, runt
     from fastapi.testclient import TestClient
 
     from serving.app import create_app
+    from serving.in_process import serve_runtime
     from serving.models import ModelRouter
-    from tests.model.test_serving_app import serve_runtime
 
     settings = ServeConfig(max_new_tokens=4)
     router = ModelRouter(
