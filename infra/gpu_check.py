@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # llmopt's modules from this source tree
+from generated_llama import GeneratedBase, generated_llama  # noqa: E402  (beside this script)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"device": _device_facts(device), "model": {}, "results": []}
     _write(out, report)
     with tempfile.TemporaryDirectory(prefix="llmopt-gpu-check-") as scratch:
-        base = _generated_llama(Path(scratch) / "base", tiny=args.tiny)
+        base = generated_llama(Path(scratch) / "base", tiny=args.tiny)
         report["model"] = base.facts
         _write(out, report)
         reference = None
@@ -171,75 +172,6 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=300.0, help="stop starting techniques after this")
     parser.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", "gpu-check.json"), help="the JSON")
     return parser.parse_args(argv)
-
-
-@dataclass(frozen=True)
-class GeneratedBase:
-    prepared: Any  # tasks.inputs.load.PreparedBase
-    facts: dict[str, Any]
-    probe: list[list[int]]  # token sequences whose logits every technique is compared on
-    calibration: list[str]  # the calibration split of techniques that calibrate (generated sentences)
-
-
-def _generated_llama(folder: Path, tiny: bool) -> GeneratedBase:
-    """A random Llama whose output layer is scaled so its logits are far from uniform (a quantizer's damage shows),
-    with a byte-level tokenizer trained on generated sentences, saved as a model source folder."""
-    import random
-
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from tasks.inputs.load import PreparedBase
-    from tasks.local_files import folder_sha256
-
-    rng = random.Random(0)
-    words = ["river", "stone", "garden", "winter", "market", "letter", "bridge", "forest", "village", "music"]
-    text = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(400)]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    vocab = 320 if tiny else 4096
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(text, trainer)
-    shape = (
-        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
-        if tiny
-        else {
-            "hidden_size": 2048,
-            "intermediate_size": 5632,
-            "num_hidden_layers": 20,
-            "num_attention_heads": 16,
-        }
-    )
-    config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        num_key_value_heads=shape["num_attention_heads"] // 2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        **shape,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)  # peaked next-token distributions instead of near-uniform ones
-    model.save_pretrained(folder)
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(folder)
-    probe_ids = tokenizer.encode(" ".join(text[:200])).ids
-    probe = [probe_ids[i : i + 64] for i in range(0, 256, 64)]
-    if len(probe[-1]) != 64:
-        raise RuntimeError("the generated text tokenizes to fewer than 256 tokens")
-    facts = {"parameters": sum(p.numel() for p in model.parameters()), **shape, "vocab": config.vocab_size}
-    calibration = [" ".join(text[i : i + 20]) for i in range(200, 400, 20)]
-    return GeneratedBase(PreparedBase(folder, folder_sha256(folder), "generated"), facts, probe, calibration)
 
 
 def _run_check(
@@ -302,9 +234,12 @@ def _measure(
     )
     build_s = time.perf_counter() - started
     target = TargetConfig(device=device, threads=os.cpu_count() or 1, tensor_parallel=check.ranks)
-    held = _gpu_mb(device)
+    held = _gpu_mb(device, reset_peak=True)
     runtime = load_runtime(folder, target)
-    after_load = None if held is None else _gpu_mb(device) - held  # the weights as they sit on the device
+    # the weights as they sit on the device, and the most the load held at once (quantizing on the device)
+    after_load, load_peak = (
+        (None, None) if held is None else (_gpu_mb(device) - held, _gpu_mb(device, True) - held)
+    )
     logits = runtime.logits(base.probe)
     getattr(runtime, "close", lambda: None)()  # a split model's other ranks stop before the benchmark starts
     del runtime
@@ -312,7 +247,8 @@ def _measure(
         gc.collect()
         torch.cuda.empty_cache()  # the benchmark's peak starts from its own load
     if not check.timed:
-        return {"build_s": round(build_s, 2), "gpu_mb_after_load": _rounded(after_load), "_logits": logits}
+        loaded = {"gpu_mb_after_load": _rounded(after_load), "gpu_mb_peak_in_load": _rounded(load_peak)}
+        return {"build_s": round(build_s, 2), **loaded, "_logits": logits}
     cfg = BenchmarkConfig(
         prompt_tokens=32 if tiny else 128,
         new_tokens=8 if tiny else 32,
@@ -333,6 +269,7 @@ def _measure(
         "decode_tok_s": {str(b.batch_size): round(b.decode_tok_s, 1) for b in measured.batches},
         "peak_gpu_mb": None if measured.peak_gpu_mb is None else round(measured.peak_gpu_mb, 1),
         "gpu_mb_after_load": _rounded(after_load),
+        "gpu_mb_peak_in_load": _rounded(load_peak),
         "peak_rss_mb": round(measured.peak_rss_mb, 1),
         "bytes_per_step": measured.decode_read_bytes,
         "bandwidth_gbs": round(bandwidth, 1),
@@ -400,14 +337,17 @@ def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-def _gpu_mb(device: str) -> float | None:
-    """MiB the process holds on the GPU now (None on the CPU)."""
+def _gpu_mb(device: str, peak: bool = False, reset_peak: bool = False) -> float | None:
+    """MiB the process holds on the GPU now, or the most it held since the last reset (None on the CPU)."""
     if device != "cuda":
         return None
     import torch
 
     torch.cuda.synchronize()
-    return torch.cuda.memory_allocated() / 2**20
+    held = (torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**20
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats()
+    return held
 
 
 def _device_facts(device: str) -> dict[str, Any]:
