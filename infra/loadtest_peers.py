@@ -5,17 +5,22 @@ server built by infra/llama-server.sh, as many slots and threads as llmopt's ser
 `llmopt loadtest --peer ...` against them (fresh servers, the same requests, the servers interleaved, ratios to
 llmopt: docs/serving.md), and stop every server it started, whatever happens.
 
-    python infra/loadtest_peers.py LLAMA_SERVER [--params params.yaml] [loadtest options, e.g. --repeats 1]
+    python infra/loadtest_peers.py LLAMA_SERVER [--params params.yaml] [--mixes load,fixed] [--vllm PYTHON]
+        [loadtest options, e.g. --repeats 1]
 
 The load test runs with `--concurrency 1,16 --ignore-eos --repeats 3` and what is given after them (the last
-value of an option counts). Servers' output goes to
-<workdir>/peers/<name>.log. A server already answering on `serve.port` is refused (its caches are warm).
+value of an option counts), once per mix, on servers started afresh for each: `load` (params.yaml's `loadtest:`
+request set) and `fixed` (96-word prompts, ~128 tokens, from anywhere in a passage, so no shared starts; 64-token
+answers). `--vllm PYTHON`: vLLM's CPU build (its own virtual environment, docs/serving.md) serves the base model in
+bfloat16 as one more peer. Servers' output goes to <workdir>/peers/<name>.log. A server already answering on
+`serve.port` is refused (its caches are warm).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -30,6 +35,17 @@ from tasks.errors import LlmoptError  # noqa: E402
 from tasks.params_file import load_config  # noqa: E402
 
 DEFAULT_LOADTEST = ["--concurrency", "1,16", "--ignore-eos", "--repeats", "3"]
+MIXES = {  # the issue's two: the load test's own request set, and fixed lengths without shared prefixes
+    "load": [],
+    "fixed": ["--prompt-words", "96", "--max-tokens", "64", "--prompt-start", "anywhere"],
+}
+# vLLM's CPU build offline, quiet, with 2 GiB of KV cache (docs/serving.md)
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+}
 FIRST_PEER_PORT = 8081
 READY_TIMEOUT_S = 300  # llmopt's server downloads and verifies its version, then warms it up
 
@@ -39,6 +55,15 @@ class Peer:
     label: str
     command: list[str]
     url: str
+    env: dict[str, str] | None = None  # added to this process's environment
+
+
+def vllm_peer(python: str, base: Path, port: int) -> Peer:
+    """vLLM's OpenAI server (its CPU build, run by `python` of its own environment) on the base model in bfloat16."""
+    module = "vllm.entrypoints.openai.api_server"
+    command = [python, "-m", module, "--model", str(base), "--dtype", "bfloat16", "--max-model-len", "2048"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    return Peer("vllm", command, f"http://127.0.0.1:{port}", VLLM_ENV)
 
 
 def gguf_peers(
@@ -74,9 +99,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("llama_server", help="llama-server's path (infra/llama-server.sh prints it)")
     parser.add_argument("--params", "-p", default="params.yaml")
+    parser.add_argument("--mixes", default="load", help="comma-separated, of: " + ", ".join(MIXES))
+    parser.add_argument("--vllm", metavar="PYTHON", help="vLLM's CPU build's interpreter: one more peer")
     known, rest = parser.parse_known_args()
+    mixes = [mix for mix in known.mixes.split(",") if mix]
     try:
         config = load_config(Path(known.params))
+        unknown = sorted(set(mixes) - set(MIXES)) or not mixes
+        if unknown:
+            raise LlmoptError(f"--mixes: comma-separated, of {', '.join(MIXES)}; got {known.mixes!r}")
     except LlmoptError as exc:
         print(exc)
         return 2
@@ -93,23 +124,32 @@ def main() -> int:
     if not peers:
         print(f"{workdir / 'variants'}: no GGUF variant to serve with llama-server; run `make run` first")
         return 1
-    servers = [("llmopt", [llmopt(), "serve", "-p", known.params], url)]
-    servers += [(peer.label, peer.command, peer.url) for peer in peers]
-    logs = workdir / "peers"
-    logs.mkdir(parents=True, exist_ok=True)
+    if known.vllm:
+        peers.append(vllm_peer(known.vllm, workdir / "base", FIRST_PEER_PORT + len(peers)))
+    servers = [Peer("llmopt", [llmopt(), "serve", "-p", known.params], url), *peers]
     flags = [arg for peer in peers for arg in ("--peer", f"{peer.url}={peer.label}")]
     loadtest = [llmopt(), "loadtest", "-p", known.params, *DEFAULT_LOADTEST, *rest, *flags]
+    codes = [_against(servers, [*loadtest, *MIXES[mix]], workdir / "peers" / mix) for mix in mixes]
+    return max(codes)
+
+
+def _against(servers: list[Peer], loadtest: list[str], logs: Path) -> int:
+    """Start `servers` afresh (their output in `logs`), wait until each answers, run `loadtest`, stop them all."""
+    logs.mkdir(parents=True, exist_ok=True)
     started: list[subprocess.Popen] = []
     with contextlib.ExitStack() as files:
         try:
-            for label, command, _ in servers:
-                log = files.enter_context((logs / f"{label.replace(':', '-')}.log").open("w"))
-                started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+            for server in servers:
+                log = files.enter_context((logs / f"{server.label.replace(':', '-')}.log").open("w"))
+                env = {**os.environ, **server.env} if server.env else None
+                started.append(
+                    subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                )
             deadline = time.monotonic() + READY_TIMEOUT_S
-            for label, _, at in servers:
-                while not answers(f"{at}/health"):
+            for server in servers:
+                while not answers(f"{server.url}/health"):
                     if time.monotonic() > deadline or any(p.poll() is not None for p in started):
-                        print(f"{label} did not come up at {at}: see {logs}")
+                        print(f"{server.label} did not come up at {server.url}: see {logs}")
                         return 1
                     time.sleep(1)
             print("$ " + " ".join(loadtest), flush=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -76,6 +76,23 @@ def loadtest(
     ignore_eos: Annotated[
         bool, typer.Option(help="Every answer runs to its max_tokens (the same work on every server).")
     ] = False,
+    prompt_words: Annotated[
+        str | None,
+        typer.Option(
+            help="Prompt length in words, N or LOW,HIGH (default: loadtest.prompt_words; 96 is ~128 tokens)."
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        str | None,
+        typer.Option(help="Answer budget in tokens, N or LOW,HIGH (default: loadtest.max_tokens)."),
+    ] = None,
+    prompt_start: Annotated[
+        str | None,
+        typer.Option(
+            help="Where a prompt starts in its passage: first (prompts of a passage share a start, as chats sharing "
+            "a system prompt do) or anywhere (no shared prefixes) (default: loadtest.prompt_start)."
+        ),
+    ] = None,
     debug: DebugOption = False,
 ) -> None:
     """Drive a running `llmopt serve` at each concurrency level (closed loop) and request rate (open loop, Poisson
@@ -86,6 +103,7 @@ def loadtest(
     that met the SLO) and a search for the highest request rate that meets it."""
     with CommandSession(debug) as session:
         config, root = session.setup(params)
+        config = _with_mix(config, prompt_words, max_tokens, prompt_start)
         from serving.loadtest_run import LoadtestOutcome, LoadtestPlan, run_loadtest
 
         plan = LoadtestPlan(
@@ -128,3 +146,32 @@ def _rates(text: str) -> list[float]:
     if not rates or min(rates) <= 0:
         raise ConfigError(f"--rates: comma-separated positive numbers (req/s), got {text!r}")
     return rates
+
+
+def _with_mix(config: Any, words: str | None, tokens: str | None, start: str | None) -> Any:
+    """`config` with the request mix the options name in place of `loadtest`'s (each one left unset keeps its own)."""
+    update: dict[str, Any] = {}
+    if words:
+        update["prompt_words"] = _span(words, "--prompt-words")
+    if tokens:
+        update["max_tokens"] = _span(tokens, "--max-tokens")
+    if start:
+        if start not in ("first", "anywhere"):
+            raise ConfigError(f"--prompt-start: first or anywhere, got {start!r}")
+        update["prompt_start"] = start
+    if not update:
+        return config
+    return config.model_copy(update={"loadtest": config.loadtest.model_copy(update=update)})
+
+
+def _span(text: str, flag: str) -> list[int]:
+    """N or LOW,HIGH (positive integers, LOW <= HIGH) as [low, high]."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or min(values) < 1 or values[0] > values[1]:
+        raise ConfigError(f"{flag}: a positive integer N or LOW,HIGH with LOW <= HIGH, got {text!r}")
+    return values

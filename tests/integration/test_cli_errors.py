@@ -209,6 +209,11 @@ CATALOGUE = {
         "--concurrency: comma-separated positive integers",
         args=("loadtest", "--concurrency", "0,x"),
     ),
+    "bad --prompt-words": Case(
+        lambda p, t: None,
+        "--prompt-words: a positive integer N or LOW,HIGH with LOW <= HIGH",
+        args=("loadtest", "--prompt-words", "64,8"),
+    ),
     # files: the model, the corpus
     "model folder missing": Case(
         lambda p, t: p["model"].update(source=str(t / "no-such-model")), "local model folder", code=2

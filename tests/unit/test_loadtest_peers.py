@@ -75,3 +75,35 @@ def test_it_refuses_before_starting_anything(peers, tmp_path, monkeypatch, capsy
     params = _params(tmp_path, running.server_port)  # nobody answers there now
     assert peers.main() == 1 and "no GGUF variant" in capsys.readouterr().out
     assert started == []
+
+
+def test_each_mix_runs_on_servers_started_afresh_with_vllm_as_one_more_peer(peers, tmp_path, monkeypatch):
+    """`--mixes load,fixed --vllm PYTHON`: the servers (llmopt, a llama-server per GGUF, vLLM on the base model with
+    its offline environment) started for each mix, the fixed mix's lengths passed to the load test; a mix that
+    does not exist is refused before anything starts."""
+    params = _params(tmp_path, 18_765)  # nobody answers there
+    gguf = tmp_path / ".llmopt" / "variants" / "llama_q4_0_mixed" / "model.gguf"
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF")
+    runs = []
+    monkeypatch.setattr(
+        peers, "_against", lambda servers, loadtest, logs: runs.append((servers, loadtest, logs)) or 0
+    )
+    argv = ["loadtest_peers.py", "/bin/llama-server", "-p", str(params), "--mixes", "load,fixed"]
+    monkeypatch.setattr("sys.argv", [*argv, "--vllm", "/venv/bin/python", "--repeats", "1"])
+    assert peers.main() == 0
+    assert [logs.name for _, _, logs in runs] == ["load", "fixed"]
+    servers, loadtest, _ = runs[1]
+    assert [server.label for server in servers] == ["llmopt", "llama-server:llama_q4_0_mixed", "vllm"]
+    vllm = servers[2]
+    assert vllm.command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert vllm.command[vllm.command.index("--model") + 1] == str(tmp_path / ".llmopt" / "base")
+    assert vllm.env["HF_HUB_OFFLINE"] == "1" and vllm.url == "http://127.0.0.1:8082"
+    assert "--prompt-words" not in runs[0][1] and loadtest[-6:] == peers.MIXES["fixed"]
+    assert (
+        loadtest[loadtest.index("--repeats", loadtest.index("--repeats") + 1) + 1] == "1"
+    )  # the last one counts
+    assert "http://127.0.0.1:8082=vllm" in loadtest
+    runs.clear()
+    monkeypatch.setattr("sys.argv", [*argv[:-1], "load,chat"])
+    assert peers.main() == 2 and runs == []
