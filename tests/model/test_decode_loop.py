@@ -29,6 +29,16 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [30, 3
 EOS = 2
 
 
+@pytest.fixture(autouse=True)
+def compile_budget(monkeypatch):
+    """Each test with the process's compile budget whole (`may_compile` counts every test's graphs otherwise)."""
+    from collections import Counter
+
+    from tasks.engines.pytorch import decode_loop
+
+    monkeypatch.setattr(decode_loop, "_compiled_graphs", Counter())
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -225,8 +235,9 @@ def test_buckets_the_device_cannot_hold_beside_a_new_one_are_dropped_least_recen
 
 
 def test_buckets_past_the_compile_limit_step_eagerly_with_the_same_tokens(model, monkeypatch, caplog):
-    """After `MAX_COMPILED_BUCKETS` compiled buckets a new one steps eagerly (said once in the log), where dynamo's
-    recompile limit would stop a fullgraph compile with an error half-way through an evaluation."""
+    """After `MAX_COMPILED_BUCKETS` compiled graphs of the step in the process a new bucket steps eagerly (said once
+    in the log), where dynamo's recompile limit would stop a fullgraph compile with an error half-way through an
+    evaluation."""
     from tasks.engines.pytorch import decode_loop
 
     monkeypatch.setattr(decode_loop, "MAX_COMPILED_BUCKETS", 1)
@@ -238,4 +249,4 @@ def test_buckets_past_the_compile_limit_step_eagerly_with_the_same_tokens(model,
         assert loop.generate(PROMPTS[:2], 6) == reference(model, PROMPTS[:2], 6)
     assert counting.graphs == 1 and loop.buckets == [(1, 256), (2, 256), (4, 256)]
     said = [r.getMessage() for r in caplog.records if r.name == decode_loop.__name__]
-    assert said == ["decode loop: 1 buckets compiled; new ones step eagerly"]
+    assert said == ["decode loop: 1 graphs compiled in this process; new buckets step eagerly"]

@@ -17,7 +17,7 @@ from tasks.engines.pytorch.graph_slots import GraphSlotDecoder, span_bucket
 from tasks.engines.pytorch.runtime import TorchBatchDecoder
 from tasks.params import VariantConfig
 from tasks.techniques.build import build_variant
-from tests.model.test_decode_loop import Counting
+from tests.model.test_decode_loop import Counting, compile_budget  # noqa: F401  (autouse: a whole budget per test)
 from tests.model.test_torch_slots import drive
 
 PROMPTS = [
@@ -116,3 +116,20 @@ def test_inductor_compiled_step_gives_the_eager_tokens(runtime):
     compiled = graph_decoder(runtime, lambda step: torch.compile(step, fullgraph=True, dynamic=False))
     assert drive(compiled, PROMPTS[:2], 5)[0] == drive(graph_decoder(runtime), PROMPTS[:2], 5)[0]
     assert set(compiled.compile_s) == {(2, 256)}
+
+
+def test_decoders_past_the_processs_compile_budget_step_eagerly(runtime, monkeypatch):
+    """A server makes a decoder per model version (and after a failed step), each compiling the same code again:
+    past the process's budget the next decoder's buckets step eagerly, with the same tokens, where dynamo's
+    recompile limit would make every step fail."""
+    from tasks.engines.pytorch import decode_loop
+
+    monkeypatch.setattr(decode_loop, "MAX_COMPILED_BUCKETS", 3)
+    counting = Counting()
+    first = graph_decoder(runtime, counting.compiler)
+    first.reserve(4)  # buckets 1, 2, 4: the whole budget
+    second = graph_decoder(runtime, counting.compiler)
+    second.reserve(4)
+    assert counting.graphs == 3 and second._eager == {(1, 256), (2, 256), (4, 256)}
+    assert drive(second, PROMPTS, 8)[0] == drive(graph_decoder(runtime), PROMPTS, 8)[0]
+    assert counting.graphs == 3

@@ -16,8 +16,8 @@ at 10 % of the memory bandwidth. Here the host does nothing per token but queue 
   end, except, when the call stops at end of sequence, one look every `STOP_CHECK_EVERY` tokens.
 
 Buckets are kept while the device's memory holds them: a new bucket's cache evicts the least recently used ones
-first (`CACHE_MEMORY_SHARE`), and after `MAX_COMPILED_BUCKETS` compiled ones a new bucket steps eagerly (same
-tokens, logged once) rather than hit dynamo's recompile limit.
+first (`CACHE_MEMORY_SHARE`), and after `MAX_COMPILED_BUCKETS` compiled graphs of the step in the process a new
+bucket steps eagerly (same tokens, logged once) rather than hit dynamo's recompile limit.
 
 The attention mask is made inside the step from the position (keys up to the current one), so the same graph serves
 every position, and eager and compiled steps mask alike (transformers skips the mask of a one-token query when none
@@ -27,18 +27,37 @@ is given, which over a static cache would attend to its empty tail).
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 LENGTH_STEP = 256  # static caches hold a multiple of this many positions
-# Buckets compiled at most (per loop); later ones step eagerly. Every bucket is one more graph of the same step, and
-# past dynamo's recompile limit (the runtime raises it to 64) a fullgraph compile raises mid-run instead: an
-# evaluation of many prompt lengths (lm-eval's) would fail half-way
+# Graphs of one step's code compiled at most in a process (every loop's buckets, every server decoder's); later
+# buckets step eagerly. Each is one more graph of the same code, and past dynamo's recompile limit (the runtime
+# raises it to 64) a fullgraph compile raises mid-run instead: an evaluation of many prompt lengths (lm-eval's), or
+# a server's decoder made again after each model swap, would fail half-way
 MAX_COMPILED_BUCKETS = 32
+_compiled_graphs: Counter[str] = Counter()  # per step's code: graphs handed to the compiler in this process
+_counting = threading.Lock()
+
+
+def may_compile(code: str) -> bool:
+    """Whether one more graph of the step `code` names may be compiled in this process (it is then counted); the
+    first refusal is logged."""
+    with _counting:
+        _compiled_graphs[code] += 1
+        taken = _compiled_graphs[code]
+    if taken == MAX_COMPILED_BUCKETS + 1:
+        log.warning(
+            f"{code}: {MAX_COMPILED_BUCKETS} graphs compiled in this process; new buckets step eagerly"
+        )
+    return taken <= MAX_COMPILED_BUCKETS
+
+
 # A new bucket's cache may take this share of the device's free memory; least recently used buckets go first
 # (a (16, 4096) cache of a 1 B Llama is ~10 GB, and buckets were kept for the runtime's life)
 CACHE_MEMORY_SHARE = 0.8
@@ -75,10 +94,9 @@ class DecodeLoop:
 
     def __init__(self, model: Any, device: Any, compiler: Callable | None, no_grad: Any) -> None:
         self._model, self._device, self._no_grad = model, device, no_grad
-        self._compiler = compiler or (lambda step: step)
+        self._compiler, self._compiling = compiler or (lambda step: step), compiler is not None
         # (batch, length) bucket -> its cache and step, least recently used first
         self._caches: OrderedDict[tuple[int, int], tuple[Any, Callable]] = OrderedDict()
-        self._compiles = 0  # steps handed to the compiler so far (evicted buckets made again count again)
         self.context = model.config.max_position_embeddings
         # seconds of each bucket's first step: compiling it (and recording its CUDA graph), reported apart
         self.compile_s: dict[tuple[int, int], float] = {}
@@ -175,12 +193,8 @@ class DecodeLoop:
             self._evict_for(bucket)
             cache = StaticCache(config=self._model.config, max_cache_len=bucket[1])
             step = _one_token_step(self._model, cache, bucket)
-            if self._compiles < MAX_COMPILED_BUCKETS:
-                self._compiles += 1
+            if self._compiling and may_compile("decode loop"):
                 step = self._compiler(step)
-            elif self._compiles == MAX_COMPILED_BUCKETS:
-                self._compiles += 1  # said once
-                log.warning(f"decode loop: {MAX_COMPILED_BUCKETS} buckets compiled; new ones step eagerly")
             self._caches[bucket] = (cache, step)
         self._caches.move_to_end(bucket)
         return self._caches[bucket]

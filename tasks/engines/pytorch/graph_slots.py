@@ -21,6 +21,9 @@ H200 check measured at 1-3 % of the memory bandwidth.
   again).
 
 A bucket's first step compiles and, with CUDA graphs, its second records: both timed as `compile_s` per (rows, span).
+Every decoder made in a process (a server makes one per model version, and again after a failed step) compiles the
+same code again: past the process's budget (decode_loop.py `may_compile`) new buckets step eagerly, where dynamo's
+recompile limit would stop the server's steps with an error.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tasks.engines.pytorch.decode_loop import batch_bucket, synced_clock
+from tasks.engines.pytorch.decode_loop import batch_bucket, may_compile, synced_clock
 from tasks.engines.pytorch.slots import SlotBatchDecoder, running_mask
 
 SPAN_STEP = 256  # the shortest span a compiled step attends over
@@ -51,6 +54,8 @@ class GraphSlotDecoder(SlotBatchDecoder):
     def __init__(self, model: Any, no_grad: Any, device: Any, compiler: Callable | None) -> None:
         super().__init__(model, no_grad, device)
         self._step = (compiler or (lambda step: step))(self._decode_step)
+        self._compiling = compiler is not None
+        self._eager: set[tuple[int, int]] = set()  # buckets past the process's compile budget (`may_compile`)
         self.compile_s: dict[tuple[int, int], float] = {}  # per (rows, span): its first two steps
         self._runs: dict[tuple[int, int], int] = {}  # steps run per (rows, span)
 
@@ -103,10 +108,13 @@ class GraphSlotDecoder(SlotBatchDecoder):
             [*self._lengths[:count].tolist(), *[spare] * (rows - count)], device=self._device
         )
         bucket, runs = (rows, span), self._runs.get((rows, span), 0)
+        if runs == 0 and self._compiling and not may_compile("server decoder"):
+            self._eager.add(bucket)
+        step = self._decode_step if bucket in self._eager else self._step
         start = synced_clock(self._device) if runs < 2 else None
         if self._device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits were copied out
-        logits = self._step(ids, position, span)[:count]
+        logits = step(ids, position, span)[:count]
         if start is not None:  # a bucket's first two steps: the compile, then the CUDA graph's recording
             self.compile_s[bucket] = self.compile_s.get(bucket, 0.0) + synced_clock(self._device) - start
         self._runs[bucket] = runs + 1
