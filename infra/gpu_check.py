@@ -85,7 +85,7 @@ CHECKS = tuple(
             replace(_compiled(INT8), tier=1, batches=(1,)),
             replace(_compiled(INT4), tier=1, batches=(1,)),
             # the server's compiled decoder (tasks/engines/pytorch/graph_slots.py): its buckets compile at the
-            # scheduler's start, before the replay's clock
+            # scheduler's start at the shortest span (longer spans compile when a row first needs them)
             replace(_compiled(BF16), technique="served_bf16_compiled", served=True, batches=(1,)),
             _compiled(FP8),
             Check("bnb_nf4", _quantize("bnb_nf4", compute_dtype="bfloat16"), BNB),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -142,8 +143,10 @@ def _against(servers: list[Peer], loadtest: list[str], logs: Path) -> int:
             for server in servers:
                 log = files.enter_context((logs / f"{server.label.replace(':', '-')}.log").open("w"))
                 env = {**os.environ, **server.env} if server.env else None
-                started.append(
-                    subprocess.Popen(server.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                started.append(  # a group of its own: a server's own children (vLLM's engine) stop with it
+                    subprocess.Popen(
+                        server.command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    )
                 )
             deadline = time.monotonic() + READY_TIMEOUT_S
             for server in servers:
@@ -154,14 +157,21 @@ def _against(servers: list[Peer], loadtest: list[str], logs: Path) -> int:
                     time.sleep(1)
             print("$ " + " ".join(loadtest), flush=True)
             return subprocess.run(loadtest, check=False).returncode
-        finally:  # every server started, whatever happened (Ctrl-C included)
-            for process in started:
-                process.terminate()
-            for process in started:
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        finally:  # every server started and its children, whatever happened (Ctrl-C included)
+            _stop(started)
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    """Each process's group terminated, then killed where still there after 30 s; returns once all are gone."""
+    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal_number)
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+        if all(process.poll() is not None for process in processes):
+            return
 
 
 if __name__ == "__main__":

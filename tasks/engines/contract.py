@@ -385,11 +385,12 @@ def touch(buffers: list[Any]) -> None:
         buffer.fill(0) if hasattr(buffer, "fill") else buffer.zero_()
 
 
-def retain_budget(tokens: int, bytes_per_token: int) -> int:
+def retain_budget(tokens: int, bytes_per_token: int, free: int | None = None) -> int:
     """How many tokens of finished sequences' keys and values a decoder that keeps copies may hold: `tokens`
-    (serve.prefix_cache_tokens), and no more than a quarter of the memory still free (the copies grow with the
-    model: 46 KB a token for SmolLM2-135M's float32 cache, ~260 KB for an 8 B Llama's)."""
-    return min(tokens, free_memory() // 4 // max(bytes_per_token, 1))
+    (serve.prefix_cache_tokens), and no more than a quarter of the memory still free (`free`: the device's where
+    the copies live on a GPU; the process's by default. The copies grow with the model: 46 KB a token for
+    SmolLM2-135M's float32 cache, ~260 KB for an 8 B Llama's)."""
+    return min(tokens, (free_memory() if free is None else free) // 4 // max(bytes_per_token, 1))
 
 
 def free_memory() -> int:

@@ -21,6 +21,7 @@ import contextvars
 import hashlib
 import inspect
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -68,16 +69,27 @@ def compute_device() -> Any:
 
 @contextlib.contextmanager
 def _on_compute_device(model: Any) -> Iterator[None]:
-    """`model` on the compute device inside the block, back where it was after."""
+    """`model` on the compute device inside the block, back where it was after (and the GPU's cache emptied). A
+    GPU without room for it: the block runs where the model is, as it always did, and the log says so."""
+    import torch
+
     device, original = compute_device(), next(model.parameters()).device
     if device == original:
         yield
         return
-    model.to(device)
     try:
+        try:
+            model.to(device)
+        except torch.OutOfMemoryError:
+            model.to(original)
+            logging.getLogger(__name__).warning(
+                f"calibration: {device} has no room for the model; on {original}"
+            )
         yield
     finally:
         model.to(original)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)

@@ -219,19 +219,22 @@ def test_the_runtime_stops_the_loop_where_generate_stops(trained_base, tmp_path)
 def test_buckets_the_device_cannot_hold_beside_a_new_one_are_dropped_least_recently_used_first(
     model, monkeypatch
 ):
-    """Free memory for one small cache: a new bucket drops the others (the least recently used first), and every
-    call's tokens stay `generate`'s."""
+    """A device of 5 units (a (1, 256) cache is one; a new cache may take 80 % of what is free): (1, 256) and
+    (1, 512) fit, (1, 256) is used again, then (2, 256) needs 2 units of the 2 left: the least recently used,
+    (1, 512), goes, not the older (1, 256). Every call's tokens stay `generate`'s."""
     from tasks.engines.pytorch import decode_loop
 
-    monkeypatch.setattr(decode_loop, "device_free_bytes", lambda device: cache_bytes(model, (1, 256)))
-    counting = Counting()
-    loop = DecodeLoop(model, torch.device("cpu"), counting.compiler, torch.inference_mode)
-    expected = reference(model, PROMPTS, 6)
-    assert loop.generate(PROMPTS, 6) == expected and loop.buckets == [(4, 256)]  # the first is made anyway
-    assert loop.generate(PROMPTS[:1], 6) == expected[:1] and loop.buckets == [(1, 256)]
-    assert loop.generate(PROMPTS, 6) == expected and loop.buckets == [(4, 256)]
-    # the bucket made again met dynamo's graph of its shapes (its guards are on shapes, not on the cache dropped)
-    assert counting.graphs == 2 and set(loop.compile_s) == {(4, 256), (1, 256)}
+    unit = cache_bytes(model, (1, 256))
+    loop = DecodeLoop(model, torch.device("cpu"), Counting().compiler, torch.inference_mode)
+    held = lambda: sum(cache_bytes(model, bucket) for bucket in loop.buckets)  # noqa: E731
+    monkeypatch.setattr(decode_loop, "device_free_bytes", lambda device: 5 * unit - held())
+    long = [list(range(5, 265))]  # 260 tokens + 6: the bucket of 512 positions
+    assert loop.generate(PROMPTS[:1], 6) == reference(model, PROMPTS[:1], 6)
+    assert loop.generate(long, 6) == reference(model, long, 6)
+    assert loop.buckets == [(1, 256), (1, 512)]
+    assert loop.generate(PROMPTS[1:2], 6) == reference(model, PROMPTS[1:2], 6)  # (1, 256) used last
+    assert loop.generate(PROMPTS[:2], 6) == reference(model, PROMPTS[:2], 6)
+    assert loop.buckets == [(1, 256), (2, 256)]
 
 
 def test_buckets_past_the_compile_limit_step_eagerly_with_the_same_tokens(model, monkeypatch, caplog):

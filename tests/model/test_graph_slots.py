@@ -133,3 +133,50 @@ def test_decoders_past_the_processs_compile_budget_step_eagerly(runtime, monkeyp
     assert counting.graphs == 3 and second._eager == {(1, 256), (2, 256), (4, 256)}
     assert drive(second, PROMPTS, 8)[0] == drive(graph_decoder(runtime), PROMPTS, 8)[0]
     assert counting.graphs == 3
+
+
+def test_padded_rows_do_not_change_a_rescaling_rotary_embedding_and_such_models_step_elsewhere():
+    """A rotary embedding that rescales with the longest position it is given (dynamic): the padded rows, written
+    at the spare position far past the model's context, are rotated as position 0, so the real rows get the
+    rotation they get alone; the server's compiled decoder still leaves such models (and SDPA pinned to kernels
+    without grouped-query attention under a mask) to the padded batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.engines.pytorch.graph_slots import graphs_in_slots
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    model = LlamaForCausalLM(config).eval()
+    device = torch.device("cpu")
+    alone_tokens, alone_logits = drive(TorchBatchDecoder(model, torch.inference_mode, device), PROMPTS[:3], 6)
+    tokens, logits = drive(GraphSlotDecoder(model, torch.inference_mode, device, None), PROMPTS[:3], 6)
+    assert tokens == alone_tokens
+    for key, row in logits.items():  # 3 rows ran in the bucket of 4 from step 3 on
+        assert np.abs(row - alone_logits[key]).max() <= 1e-4 * np.abs(alone_logits[key]).max(), key
+    assert not graphs_in_slots(model, None)
+    plain = LlamaForCausalLM(config.__class__(**{**config.to_dict(), "rope_parameters": None})).eval()
+    assert graphs_in_slots(plain, None) and graphs_in_slots(plain, "math")
+    assert not graphs_in_slots(plain, "efficient") and not graphs_in_slots(plain, "cudnn")
+
+
+def test_buffers_grown_mid_serve_count_their_buckets_compiles_again(runtime):
+    """New buffers are new graph inputs: a bucket stepped again after the buffers grew compiles again, and the
+    process's budget counts it (it would otherwise reach dynamo's limit while reading under it)."""
+    from tasks.engines.pytorch import decode_loop
+
+    counting = Counting()
+    decoder = graph_decoder(runtime, counting.compiler)  # no `reserve`: the buffers start small and grow
+    drive(decoder, PROMPTS, 8)  # two rows, then five (the buffers grow to eight rows), then four
+    for sequence in list(decoder._ids):
+        decoder.remove(sequence)
+    drive(decoder, PROMPTS[:2], 4)  # two rows again, over the grown buffers
+    assert counting.graphs == decode_loop._compiled_graphs["server decoder"] == 4

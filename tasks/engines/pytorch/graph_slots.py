@@ -31,11 +31,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tasks.engines.pytorch.decode_loop import batch_bucket, may_compile, synced_clock
+from tasks.engines.pytorch.decode_loop import MAX_COMPILED_BUCKETS, batch_bucket, may_compile, synced_clock
 from tasks.engines.pytorch.slots import SlotBatchDecoder, running_mask
 
 SPAN_STEP = 256  # the shortest span a compiled step attends over
 GRAPH_POSITIONS = 2048  # positions per row reserved before the first request (the model's context at most)
+
+
+def graphs_in_slots(model: Any, sdpa_backend: str | None) -> bool:
+    """Whether the compiled slot step serves `model` (a Llama-shaped one `steps_in_slots` takes): not with SDPA
+    pinned to a kernel that takes no grouped-query attention with a mask (efficient, cuDNN; flash takes no mask),
+    nor with a rotary embedding that rescales with the longest position it sees (dynamic, longrope: a branch on
+    the data, which one graph cannot hold)."""
+    rope = getattr(getattr(model.model, "rotary_emb", None), "rope_type", "default")
+    return sdpa_backend in (None, "math") and rope not in ("dynamic", "longrope")
 
 
 def span_bucket(positions: int, capacity: int) -> int:
@@ -53,6 +62,12 @@ class GraphSlotDecoder(SlotBatchDecoder):
 
     def __init__(self, model: Any, no_grad: Any, device: Any, compiler: Callable | None) -> None:
         super().__init__(model, no_grad, device)
+        if compiler is not None:
+            import torch._dynamo.config as dynamo
+
+            # every bucket, and every decoder's, is one more graph of `_decode_step`: room for the process's
+            # budget (`may_compile`) under dynamo's limit, past which a fullgraph compile raises
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * MAX_COMPILED_BUCKETS)
         self._step = (compiler or (lambda step: step))(self._decode_step)
         self._compiling = compiler is not None
         self._eager: set[tuple[int, int]] = set()  # buckets past the process's compile budget (`may_compile`)
@@ -60,27 +75,42 @@ class GraphSlotDecoder(SlotBatchDecoder):
         self._runs: dict[tuple[int, int], int] = {}  # steps run per (rows, span)
 
     def reserve(self, rows: int) -> None:
-        """Buffers for `rows` sequences of `GRAPH_POSITIONS` positions, and every rows bucket up to theirs compiled
-        (and recorded) at the shortest span: at the server's start, not in its first clients' steps."""
+        """Buffers for `rows` sequences of `GRAPH_POSITIONS` positions (fewer where half the device's free memory
+        would not hold them), and every rows bucket up to theirs compiled (and recorded) at the shortest span: at
+        the server's start, not in its first clients' steps."""
+        from tasks.engines.pytorch.decode_loop import device_free_bytes
+
         if self._ids:
             return
         rows = batch_bucket(rows)
-        self._room(rows, min(GRAPH_POSITIONS, self._model.config.max_position_embeddings))
+        positions = min(GRAPH_POSITIONS, self._model.config.max_position_embeddings)
+        per_position = 2 * rows * sum(layer.self_attn.k_proj.out_features for layer in self._layers)
+        per_position *= self._model.get_input_embeddings().weight.element_size()
+        while positions > SPAN_STEP and per_position * positions > device_free_bytes(self._device) // 2:
+            positions //= 2
+        self._room(rows, positions)
         with self._no_grad():
             for bucket in (1 << power for power in range(rows.bit_length())):
                 for _ in range(2):
                     self._decode([], bucket)
 
     def _room(self, rows: int, positions: int) -> None:
-        """The slot decoder's buffers with one spare position past every sequence's (the padded rows write there),
-        marked static for CUDA graphs when they are new."""
+        """The slot decoder's buffers, rows a power of two (a bucket's) and positions a power of two of at least
+        `SPAN_STEP` with one spare past them (the padded rows write there), marked static for CUDA graphs when
+        they are new; new buffers are new graph inputs, so their buckets count as new (compiled again)."""
         import torch
 
         held = self._keys[0] if self._keys else None
-        super()._room(rows, positions + 1)
-        if self._device.type == "cuda" and self._keys[0] is not held:
-            for buffer in (*self._keys, *self._values):
-                torch._dynamo.mark_static_address(buffer)
+        with torch.inference_mode(
+            False
+        ):  # (a step may grow them: never as inference tensors, which rows copy)
+            super()._room(batch_bucket(rows), span_bucket(positions, 1 << 62) + 1)
+        if self._keys[0] is not held:
+            self._runs.clear()
+            self._eager.clear()
+            if self._device.type == "cuda":
+                for buffer in (*self._keys, *self._values):
+                    torch._dynamo.mark_static_address(buffer)
 
     def _forward(self, decoding: list[int], segments: list[tuple[int, list[int]]]) -> Any:
         import torch
@@ -126,7 +156,10 @@ class GraphSlotDecoder(SlotBatchDecoder):
 
         model = self._model.model
         hidden = model.embed_tokens(ids)
-        cos, sin = model.rotary_emb(hidden[None], position[None])
+        # the padded rows (at the spare position) are rotated as position 0: a rotary embedding that rescales with
+        # the longest position it is given would otherwise rotate the real rows by another scale
+        spare = self._keys[0].shape[2] - 1
+        cos, sin = model.rotary_emb(hidden[None], position.masked_fill(position == spare, 0)[None])
         rows = ids.shape[0]
         mask = running_mask(position, span, hidden.dtype)
         row_index = torch.arange(rows, device=ids.device)

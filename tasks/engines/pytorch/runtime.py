@@ -135,9 +135,10 @@ class TorchRuntime(Runtime):
         stepped = plain and settings.speculative is None and steps_in_slots(self.model)
         if self.device.type == "cuda" and stepped and self._loop is not None:
             from tasks.engines.pytorch.decode_loop import cuda_graph_compiler
-            from tasks.engines.pytorch.graph_slots import GraphSlotDecoder
+            from tasks.engines.pytorch.graph_slots import GraphSlotDecoder, graphs_in_slots
 
-            return GraphSlotDecoder(self.model, self._no_grad, self.device, cuda_graph_compiler)
+            if graphs_in_slots(self.model, settings.sdpa_backend):
+                return GraphSlotDecoder(self.model, self._no_grad, self.device, cuda_graph_compiler)
         if self.device.type == "cuda" and plain:
             return PaddedBatchDecoder(self.model, self._no_grad, self.device)
         half = self.manifest.dtype in ("bfloat16", "float16")

@@ -395,7 +395,10 @@ class SlotBatchDecoder(BatchDecoder):
         held = int(self._lengths[row])
         if not self.reuse_prefixes or self.retain_tokens <= 0:
             return
-        budget = retain_budget(self.retain_tokens, sum(2 * keys[0, :, :1].nbytes for keys in self._keys))
+        from tasks.engines.pytorch.decode_loop import device_free_bytes
+
+        per_token = sum(2 * keys[0, :, :1].nbytes for keys in self._keys)
+        budget = retain_budget(self.retain_tokens, per_token, device_free_bytes(self._device))
         self._retained.fit(budget)  # free memory may have shrunk since the last ones were kept
         if not 1 < held <= budget:
             return
