@@ -7,7 +7,9 @@ H200 check measured at 1-3 % of the memory bandwidth.
 - A step of n running rows runs at the next power of two of rows (1, 2, 4, 8, 16, ...: `batch_bucket`), the running
   rows being the buffers' first ones already. The extra rows carry token 0 written at their own row's spare
   position, the buffers' last, which no sequence ever reaches (the buffers keep one position past every
-  sequence's); their logits are dropped. So a bucket's graph serves every count of rows in it.
+  sequence's), rotated as position 0 (a rotary embedding that rescales with the longest position would otherwise
+  rotate the real rows differently); their logits are dropped. So a bucket's graph serves every count of rows in
+  it.
 - Attention reads each row's first `span` positions, span the next power of two of the longest row (at least
   `SPAN_STEP`), each row masked to its own length: one graph per (rows bucket, span), none per position.
 - The step is tensor work only: the slot decoder's own layers pass (`_through_layers`), nothing read back but the
