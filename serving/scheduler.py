@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from serving.admission import Filling, PromptAdmission
 from serving.requests import GenerationRequest, QueueFull, SchedulerClosed
 from serving.sampling import adjusted_logits, choose_token, logprob, prompt_scores, top_logprobs
 from serving.speculative_steps import SpeculativeSteps
@@ -40,15 +41,6 @@ DEFAULT_PREFIX_CACHE_TOKENS: int = ServeConfig.model_fields["prefix_cache_tokens
 
 
 @dataclass(eq=False)
-class _Filling:
-    """A request whose prompt joins in slices (chunked prefill): `fed` of its tokens are in the cache."""
-
-    request: GenerationRequest
-    sequence: int
-    fed: int = 0
-
-
-@dataclass(eq=False)
 class _Running:
     request: GenerationRequest
     rng: np.random.Generator
@@ -58,7 +50,7 @@ class _Running:
     proposer: Any = None  # its speculative proposer, made on its first speculative step
 
 
-class Scheduler(SpeculativeSteps):
+class Scheduler(PromptAdmission, SpeculativeSteps):
     """The queue and the worker of one loaded model: a thread of its own (started on construction, stopped by
     `close`), or with `own_thread` off the thread that calls `run` (the served replay: see `run`)."""
 
@@ -190,7 +182,7 @@ class Scheduler(SpeculativeSteps):
     def _serve(self, running: dict[int, _Running]) -> None:
         decoder = self._decoder()
         self._ready.set()
-        filling: list[_Filling] = []  # prompts joining in slices, first come first fed
+        filling: list[Filling] = []  # prompts joining in slices, first come first fed
         while True:
             with self._wake:
                 while not self._queue and not running and not filling and not self._closed:
@@ -222,39 +214,7 @@ class Scheduler(SpeculativeSteps):
             if not running and not filling and decoder.active:  # a failed step may have left sequences behind
                 decoder = self._decoder()
 
-    def _admissible(
-        self, decoder: Any, running: dict[int, _Running], filling: list[_Filling]
-    ) -> list[GenerationRequest]:
-        """Take from the queue, in order, the requests this step has room for: a free row (`max_batch`), KV room
-        for the prompt and token budget of every request held, and prompt tokens left in the step's budget (on
-        decoders that take slices). The first that does not fit waits, and so does everyone behind it."""
-        rows = len(running) + len(filling)
-        held = sum(_kv_need(r.request) for r in running.values()) + sum(_kv_need(f.request) for f in filling)
-        budget = self.step_tokens - len(running) - sum(self._slice(f) for f in filling)
-        joining: list[GenerationRequest] = []
-        while self._queue and rows < self.max_batch:
-            request = self._queue[0]
-            fills = self._fills(decoder, request)
-            if decoder.kv_tokens is not None and rows and held + _kv_need(request) > decoder.kv_tokens:
-                break  # the cache is full until a running request ends
-            if fills and budget <= 0:
-                break  # this step's budget is spent: it joins in the next one
-            joining.append(self._queue.popleft())
-            rows, held = rows + 1, held + _kv_need(request)
-            budget -= min(len(request.prompt), self.prefill_chunk or len(request.prompt)) if fills else 0
-        return joining
-
-    def _slice(self, item: _Filling) -> int:
-        """The most tokens of `item`'s prompt one step feeds (the rest of it, at most `prefill_chunk`)."""
-        left = len(item.request.prompt) - item.fed
-        return min(left, self.prefill_chunk) if self.prefill_chunk else left
-
-    def _fills(self, decoder: Any, request: GenerationRequest) -> bool:
-        """Whether `request`'s prompt joins in slices under the step budget: an engine that takes slices beside
-        the running requests, and a request that generates (scoring requests run their prompt whole)."""
-        return decoder.chunked_prefill and request.max_tokens > 0 and not request.prompt_logprobs
-
-    def _open(self, decoder: Any, filling: list[_Filling], request: GenerationRequest) -> None:
+    def _open(self, decoder: Any, filling: list[Filling], request: GenerationRequest) -> None:
         if request.cancelled.is_set():
             self._end(request, ("done", "cancelled"))
             return
@@ -262,12 +222,12 @@ class Scheduler(SpeculativeSteps):
             self.metrics.queue_wait(time.monotonic() - request.queued_at)
         try:
             sequence, held = decoder.open(request.prompt)
-            filling.append(_Filling(request, sequence, held))
+            filling.append(Filling(request, sequence, held))
         except Exception as exc:
             log.exception("a request failed joining")
             self._end(request, ("error", f"generation failed: {_first_line(exc)}"))
 
-    def _step_filling(self, decoder: Any, running: dict[int, _Running], filling: list[_Filling]) -> None:
+    def _step_filling(self, decoder: Any, running: dict[int, _Running], filling: list[Filling]) -> None:
         """Every running sequence's next token and the next slices of the joining prompts, first come first fed,
         as many as the step's token budget holds: one engine call (llama.cpp) or one per slice right after the
         step (ONNX; the time counts as decode while requests run), each call's tokens sent as soon as it is done
@@ -436,11 +396,6 @@ class Scheduler(SpeculativeSteps):
             request.on_event(event)
         except Exception:  # the receiver is gone (its event loop closed): nothing left to tell
             log.debug("a finished request's receiver is gone", exc_info=True)
-
-
-def _kv_need(request: GenerationRequest) -> int:
-    """The KV cells a request may fill: its prompt and its token budget."""
-    return len(request.prompt) + request.max_tokens
 
 
 def _first_line(exc: BaseException) -> str:
