@@ -106,8 +106,7 @@ def main() -> int:
     mixes = [mix for mix in known.mixes.split(",") if mix]
     try:
         config = load_config(Path(known.params))
-        unknown = sorted(set(mixes) - set(MIXES)) or not mixes
-        if unknown:
+        if not mixes or set(mixes) - set(MIXES):
             raise LlmoptError(f"--mixes: comma-separated, of {', '.join(MIXES)}; got {known.mixes!r}")
     except LlmoptError as exc:
         print(exc)

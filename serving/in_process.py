@@ -63,15 +63,12 @@ def served_over_http(
     replay's is."""
     from serving.loadtest import run_level
 
-    settings = ServeConfig(
-        max_new_tokens=max(request.max_tokens for request in requests),
-        max_batch=limits.max_batch,
-        max_queue=max(limits.max_queue, len(requests)),
-        prefill_chunk=limits.prefill_chunk,
-        prefix_reuse=limits.prefix_reuse,
-        step_tokens=limits.step_tokens,
-        prefix_cache_tokens=limits.prefix_cache_tokens,
-        sequence_tokens=limits.sequence_tokens,
+    settings = ServeConfig.model_validate(  # `Limits.of`'s fields are serve's own
+        {
+            **asdict(limits),
+            "max_queue": max(limits.max_queue, len(requests)),
+            "max_new_tokens": max(request.max_tokens for request in requests),
+        }
     )
     warm_up = LoadRequest(" ".join(reversed(requests[0].prompt.split()[:16])), 1)
     with serving_in_thread(runtime, "served", settings) as (url, _):

@@ -70,12 +70,38 @@ def test_a_cuda_target_calibrates_where_torch_sees_a_gpu_else_on_the_cpu_with_th
     windows = [tokenizer(text)["input_ids"] for text in synthetic_sentences(2, seed=1)]
     modules = {"lm_head": model.lm_head}
     plain = capture_inputs(model, modules, windows, mean_square)
+    with calibration_device("meta"):  # a device any torch has: the block's device is the one asked for
+        assert compute_device().type == "meta"
     with calibration_device("cuda"):
         where = compute_device()
         found = capture_inputs(model, modules, windows, mean_square)
     assert where.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert compute_device().type == "cpu"  # outside the block: the default again
     assert found.sums["lm_head"].device.type == "cpu" and next(model.parameters()).device.type == "cpu"
+    assert torch.allclose(found.sums["lm_head"], plain.sums["lm_head"])
+
+
+def test_a_device_without_room_for_the_model_calibrates_where_the_model_is(
+    model, tokenizer, monkeypatch, caplog
+):
+    """The model is moved to the calibration device for the capture and back after; a device that runs out of
+    memory on the move leaves it where it was (moved back, logged) and the capture runs there, with the same sums."""
+    windows = [tokenizer(text)["input_ids"] for text in synthetic_sentences(2, seed=1)]
+    modules = {"lm_head": model.lm_head}
+    plain = capture_inputs(model, modules, windows, mean_square)
+    moves, move = [], model.to
+
+    def to(device, *args, **kwargs):
+        moves.append(str(device))
+        if str(device) == "meta":
+            raise torch.OutOfMemoryError("no room")
+        return move(device, *args, **kwargs)
+
+    monkeypatch.setattr(model, "to", to)
+    with calibration_device("meta"), caplog.at_level("WARNING"):
+        found = capture_inputs(model, modules, windows, mean_square)
+    assert moves == ["meta", "cpu", "cpu"]  # tried, back at once, back again after the block
+    assert "meta has no room for the model; on cpu" in caplog.text
     assert torch.allclose(found.sums["lm_head"], plain.sums["lm_head"])
 
 

@@ -39,22 +39,27 @@ def compile_budget(monkeypatch):
     monkeypatch.setattr(decode_loop, "_compiled_graphs", Counter())
 
 
+def tiny_llama(**config) -> LlamaForCausalLM:
+    """A tiny random Llama (seeded), its logits peaked so greedy choices are far from ties; `config` overrides."""
+    torch.manual_seed(0)
+    shape = {
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+    }
+    model = LlamaForCausalLM(LlamaConfig(**{**shape, **config})).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)
+    return model
+
+
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)  # peaked logits: greedy choices far from ties
-    return model
+    return tiny_llama()
 
 
 def reference(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -17,7 +17,7 @@ from tasks.engines.pytorch.graph_slots import GraphSlotDecoder, span_bucket
 from tasks.engines.pytorch.runtime import TorchBatchDecoder
 from tasks.params import VariantConfig
 from tasks.techniques.build import build_variant
-from tests.model.test_decode_loop import Counting, compile_budget  # noqa: F401  (autouse: a whole budget per test)
+from tests.model.test_decode_loop import Counting, compile_budget, tiny_llama  # noqa: F401  (autouse: a whole budget per test)
 from tests.model.test_torch_slots import drive
 
 PROMPTS = [
@@ -140,22 +140,10 @@ def test_padded_rows_do_not_change_a_rescaling_rotary_embedding_and_such_models_
     at the spare position far past the model's context, are rotated as position 0, so the real rows get the
     rotation they get alone; the server's compiled decoder still leaves such models (and SDPA pinned to kernels
     without grouped-query attention under a mask) to the padded batch."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from tasks.engines.pytorch.graph_slots import graphs_in_slots
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-    )
-    model = LlamaForCausalLM(config).eval()
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = tiny_llama(max_position_embeddings=64, rope_parameters=rope)
     device = torch.device("cpu")
     alone_tokens, alone_logits = drive(TorchBatchDecoder(model, torch.inference_mode, device), PROMPTS[:3], 6)
     tokens, logits = drive(GraphSlotDecoder(model, torch.inference_mode, device, None), PROMPTS[:3], 6)
@@ -163,7 +151,7 @@ def test_padded_rows_do_not_change_a_rescaling_rotary_embedding_and_such_models_
     for key, row in logits.items():  # 3 rows ran in the bucket of 4 from step 3 on
         assert np.abs(row - alone_logits[key]).max() <= 1e-4 * np.abs(alone_logits[key]).max(), key
     assert not graphs_in_slots(model, None)
-    plain = LlamaForCausalLM(config.__class__(**{**config.to_dict(), "rope_parameters": None})).eval()
+    plain = tiny_llama()
     assert graphs_in_slots(plain, None) and graphs_in_slots(plain, "math")
     assert not graphs_in_slots(plain, "efficient") and not graphs_in_slots(plain, "cudnn")
 

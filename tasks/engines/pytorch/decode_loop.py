@@ -94,7 +94,7 @@ class DecodeLoop:
 
     def __init__(self, model: Any, device: Any, compiler: Callable | None, no_grad: Any) -> None:
         self._model, self._device, self._no_grad = model, device, no_grad
-        self._compiler, self._compiling = compiler or (lambda step: step), compiler is not None
+        self._compiler = compiler
         # (batch, length) bucket -> its cache and step, least recently used first
         self._caches: OrderedDict[tuple[int, int], tuple[Any, Callable]] = OrderedDict()
         self.context = model.config.max_position_embeddings
@@ -193,7 +193,7 @@ class DecodeLoop:
             self._evict_for(bucket)
             cache = StaticCache(config=self._model.config, max_cache_len=bucket[1])
             step = _one_token_step(self._model, cache, bucket)
-            if self._compiling and may_compile("decode loop"):
+            if self._compiler is not None and may_compile("decode loop"):
                 step = self._compiler(step)
             self._caches[bucket] = (cache, step)
         self._caches.move_to_end(bucket)

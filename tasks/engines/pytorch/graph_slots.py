@@ -33,7 +33,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tasks.engines.pytorch.decode_loop import MAX_COMPILED_BUCKETS, batch_bucket, may_compile, synced_clock
+from tasks.engines.pytorch.decode_loop import (
+    MAX_COMPILED_BUCKETS,
+    batch_bucket,
+    cache_bytes,
+    device_free_bytes,
+    may_compile,
+    synced_clock,
+)
 from tasks.engines.pytorch.slots import SlotBatchDecoder, running_mask
 
 SPAN_STEP = 256  # the shortest span a compiled step attends over
@@ -52,10 +59,7 @@ def graphs_in_slots(model: Any, sdpa_backend: str | None) -> bool:
 def span_bucket(positions: int, capacity: int) -> int:
     """The span a step whose longest row holds `positions` positions attends over: the next power of two of at
     least `SPAN_STEP`, at most the buffers' `capacity`."""
-    span = SPAN_STEP
-    while span < positions:
-        span *= 2
-    return min(span, capacity)
+    return min(max(SPAN_STEP, batch_bucket(max(positions, 1))), capacity)
 
 
 class GraphSlotDecoder(SlotBatchDecoder):
@@ -70,8 +74,7 @@ class GraphSlotDecoder(SlotBatchDecoder):
             # every bucket, and every decoder's, is one more graph of `_decode_step`: room for the process's
             # budget (`may_compile`) under dynamo's limit, past which a fullgraph compile raises
             dynamo.recompile_limit = max(dynamo.recompile_limit, 2 * MAX_COMPILED_BUCKETS)
-        self._step = (compiler or (lambda step: step))(self._decode_step)
-        self._compiling = compiler is not None
+        self._step = compiler(self._decode_step) if compiler is not None else None  # None: eager
         self._eager: set[tuple[int, int]] = set()  # buckets past the process's compile budget (`may_compile`)
         self.compile_s: dict[tuple[int, int], float] = {}  # per (rows, span): its first two steps
         self._runs: dict[tuple[int, int], int] = {}  # steps run per (rows, span)
@@ -80,15 +83,12 @@ class GraphSlotDecoder(SlotBatchDecoder):
         """Buffers for `rows` sequences of `GRAPH_POSITIONS` positions (fewer where half the device's free memory
         would not hold them), and every rows bucket up to theirs compiled (and recorded) at the shortest span: at
         the server's start, not in its first clients' steps."""
-        from tasks.engines.pytorch.decode_loop import device_free_bytes
-
         if self._ids:
             return
         rows = batch_bucket(rows)
         positions = min(GRAPH_POSITIONS, self._model.config.max_position_embeddings)
-        per_position = 2 * rows * sum(layer.self_attn.k_proj.out_features for layer in self._layers)
-        per_position *= self._model.get_input_embeddings().weight.element_size()
-        while positions > SPAN_STEP and per_position * positions > device_free_bytes(self._device) // 2:
+        free = device_free_bytes(self._device)
+        while positions > SPAN_STEP and 2 * cache_bytes(self._model, (rows, positions)) > free:
             positions //= 2
         self._room(rows, positions)
         with self._no_grad():
@@ -140,9 +140,9 @@ class GraphSlotDecoder(SlotBatchDecoder):
             [*self._lengths[:count].tolist(), *[spare] * (rows - count)], device=self._device
         )
         bucket, runs = (rows, span), self._runs.get((rows, span), 0)
-        if runs == 0 and self._compiling and not may_compile("server decoder"):
+        if runs == 0 and self._step is not None and not may_compile("server decoder"):
             self._eager.add(bucket)
-        step = self._decode_step if bucket in self._eager else self._step
+        step = self._decode_step if self._step is None or bucket in self._eager else self._step
         start = synced_clock(self._device) if runs < 2 else None
         if self._device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits were copied out
