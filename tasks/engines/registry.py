@@ -19,6 +19,7 @@ SERVING_ONLY = (
     "tasks.engines.llama_cpp.batch",
     "tasks.engines.onnx.batch",
     "tasks.engines.onnx.bf16_prompts",
+    "tasks.engines.onnx.float_prompts",
     "tasks.engines.onnx.graph_weights",
     "tasks.engines.pytorch.graph_slots",
     "tasks.engines.pytorch.slots",

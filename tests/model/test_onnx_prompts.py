@@ -11,7 +11,7 @@ import pytest
 
 from tasks.config import TargetConfig
 from tasks.engines import load_runtime
-from tasks.engines.onnx import bf16_prompts
+from tasks.engines.onnx import bf16_prompts, float_prompts
 from tasks.engines.onnx.batch import (
     BF16_PROMPT_TOKENS,
     BF16_SLICE_TOKENS,
@@ -99,6 +99,51 @@ def test_long_slices_run_with_float_activations_steps_and_short_slices_as_the_gr
     short, _ = decoder.add(prompt[: FLOAT_PROMPT_TOKENS - 1])
     decoder.step({sequence: 5, short: 6})
     assert calls == ["float", "graph", "graph"]
+
+
+def test_float_activations_run_prompts_only_from_the_length_where_they_pay_on_this_cpu(
+    int4_runtime, monkeypatch
+):
+    now = [0.0]  # the probe's clock, moved by the calls it times: the verdict does not hang on this machine
+    monkeypatch.setattr(float_prompts, "clock", lambda: now[0])
+
+    def timed(decoder, seconds):  # each call costs seconds(tokens, float activations)
+        run = decoder._run_alone
+
+        def run_alone(chunk, cache, long=True):
+            now[0] += seconds(len(chunk), long)
+            return run(chunk, cache, long)
+
+        decoder._run_alone = run_alone
+        return run
+
+    def prompt(length, seed):  # prompts that share no start (no prefix reuse between them)
+        return [(seed + 13 * index) % 200 + 3 for index in range(length)]
+
+    decoder = decoder_of(int4_runtime)
+    run = timed(decoder, lambda tokens, long: tokens * (0.8 if long and tokens >= 64 else 1.0))
+    assert decoder.choose_float_from() == 64  # faster at 128, 96 and 64, as long at 48: from 64
+    decoder._run_alone = run
+    calls = sessions_used(decoder)
+    decoder.add(prompt(64, 1))
+    decoder.add(prompt(63, 2))
+    assert calls == ["float", "graph"]
+
+    nowhere = decoder_of(int4_runtime)  # as on an AVX2 CPU: as long, or longer, at every length
+    timed(nowhere, lambda tokens, long: tokens * (0.97 if long else 1.0))
+    assert nowhere.choose_float_from() is None
+    assert nowhere._prompt_session is nowhere._session  # the second copy of the weights dropped
+    calls = sessions_used(nowhere)
+    nowhere.add(prompt(130, 3))
+    assert calls == ["graph"]
+
+    # the runtime decides once; its later decoders make no float session where it does not pay
+    chosen = load_runtime(Path(int4_runtime._folder), TargetConfig(threads=1))
+    monkeypatch.setattr("tasks.engines.onnx.batch.float_from", lambda *args: None)
+    first = chosen.batch_decoder()
+    monkeypatch.setattr("tasks.engines.onnx.batch.float_from", lambda *args: pytest.fail("decided twice"))
+    second = chosen.batch_decoder()
+    assert first._prompt_session is first._session and second._prompt_session is second._session
 
 
 def test_a_float_prompt_gives_the_graphs_logits_to_int8_rounding_and_the_same_answer(int4_runtime):

@@ -20,13 +20,9 @@ from tasks.engines.contract import (
 )
 from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16, weights_bytes
 from tasks.engines.onnx.errors import engine_says
+from tasks.engines.onnx.float_prompts import FLOAT_PROMPT_TOKENS, float_from
 from tasks.errors import ArtifactUnreadable
 
-# A prompt slice of at least this many tokens runs with float activations where the graph quantizes them to int8
-# (see `OrtBatchDecoder`): one call of SmolLM2-135M int4 (Xeon, AVX-512 VNNI, 2 threads) took 0.71x the time at 256
-# tokens, 0.75x at 128, 0.85x at 64, as long at 32 and 1.3-2.3x as long below 16 with float activations
-# (docs/results/2026-12-05-serving.md).
-FLOAT_PROMPT_TOKENS = 48
 # Prompt slices run in bfloat16 by torch where the decoder has that path (tasks/engines/onnx/bf16_prompts.py) when
 # the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them (the step's other
 # slices then join that call); otherwise on the graph. Through the server's scheduler (SmolLM2-135M int4 mixed,
@@ -59,26 +55,33 @@ class OrtBatchDecoder(BatchDecoder):
     slice gets its own call, shortest first, its first token going out as soon as it is done.
 
     Long slices with float activations: where the graph's MatMulNBits compute with int8 activations (the builder's
-    `accuracy_level: 4`, its CPU default), a slice of `FLOAT_PROMPT_TOKENS` or more runs on a second session of
-    the same graph whose MatMulNBits keep their activations in float32 (ONNX Runtime's `mlas.qnbit.force_fp32`):
-    int8 activations pay at one or a few rows, where the weights' bytes bound the call, and cost at many, where
-    MLAS's float kernels are faster. The float path is the more exact one (the weights are the same, the
+    `accuracy_level: 4`, its CPU default), a slice of `float_from` tokens or more runs on a second session of the
+    same graph whose MatMulNBits keep their activations in float32 (ONNX Runtime's `mlas.qnbit.force_fp32`): int8
+    activations pay at one or a few rows, where the weights' bytes bound the call, and on some CPUs cost at many,
+    where MLAS's float kernels are faster (`choose_float_from` measures from which length, once per runtime;
+    tasks/engines/onnx/float_prompts.py). The float path is the more exact one (the weights are the same, the
     activations are not rounded to 8 bits), so a served prompt is computed at least as accurately as the evaluation
     measured it; steps and short slices run as the graph says. The second session holds its own packed copy of the
-    weights: it is made only where the machine has room for it twice over.
+    weights: it is made only where the machine has room for it twice over, and dropped where it does not pay.
 
     Long slices in bfloat16: on a CPU with fast bfloat16 matrix products (AMX), the same weights dequantized to
     bfloat16 run prompts ~1.5-2x faster through torch than ONNX Runtime's float kernels, several prompts' slices in
     one call (tasks/engines/onnx/bf16_prompts.py); their keys and values join the graph's cache and the steps stay
     on the graph. `choose_bf16` decides once per runtime by measuring both on this machine. It takes every slice of a
     step whose long slices hold `BF16_PROMPT_TOKENS` between them; a lone slice shorter than that still runs on
-    the float session (from `FLOAT_PROMPT_TOKENS`) or the graph."""
+    the float session (from `float_from`) or the graph."""
 
     chunked_prefill = True  # each prompt slice runs in its own call right after a step (see above)
 
     def __init__(
-        self, model_path: Path, kv_shape: tuple[int, int], threads: int, bf16: BfloatPrompts | None = None
+        self,
+        model_path: Path,
+        kv_shape: tuple[int, int],
+        threads: int,
+        bf16: BfloatPrompts | None = None,
+        float_from: int | None = FLOAT_PROMPT_TOKENS,
     ) -> None:
+        """`float_from`: the shortest prompt slice run with float activations (see above); None: none is."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -100,7 +103,7 @@ class OrtBatchDecoder(BatchDecoder):
         ) as exc:  # a protobuf DecodeError, ONNX Runtime's Fail/InvalidProtobuf, a missing file
             said = engine_says(exc)
             raise ArtifactUnreadable(f"{model_path}: ONNX Runtime cannot load this model: {said}") from exc
-        self._prompt_session = self._session  # what runs a slice of FLOAT_PROMPT_TOKENS or more
+        self._prompt_session = self._session  # what runs a slice of `_float_from` tokens or more
         self._present = [output.name for output in self._session.get_outputs()[1:]]
         self._past = [name.replace("present", "past_key_values") for name in self._present]
         inputs = {item.name: item for item in self._session.get_inputs()}
@@ -109,7 +112,9 @@ class OrtBatchDecoder(BatchDecoder):
         self._model_path, self._int8_activations = model_path, int8_activations
         self._threads = threads
         self._bf16 = bf16  # long slices of a step in bfloat16 by torch (`choose_bf16`); a lone one on the float session
-        if int8_activations and free_memory() > 2 * weights_bytes(model_path):
+        self._float_from: int | None = None  # (where there is a float session)
+        if int8_activations and float_from is not None and free_memory() > 2 * weights_bytes(model_path):
+            self._float_from = float_from
             options.add_session_config_entry("mlas.qnbit.force_fp32", "1")
             # its own thread pool: idle between its calls (long ones) instead of spinning beside the steps' pool
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -129,6 +134,18 @@ class OrtBatchDecoder(BatchDecoder):
     @property
     def active(self) -> int:
         return len(self._ids) + len(self._partial)
+
+    def choose_float_from(self) -> int | None:
+        """From which length prompt slices run with float activations, measured here (`float_from`); None, and the
+        float session dropped, where they do not pay on this CPU or there is no such session."""
+        if self._float_from is not None:
+            empty = self._empty_cache()
+            self._float_from = float_from(
+                lambda tokens, long: self._run_alone(tokens, empty, long), self._model_path.parent.name
+            )
+            if self._float_from is None:
+                self._prompt_session = self._session  # its copy of the weights goes with it
+        return self._float_from
 
     def choose_bf16(self) -> BfloatPrompts | None:
         """Run long prompt slices in bfloat16 from now on where the graph computes with int8 activations (so
@@ -210,8 +227,7 @@ class OrtBatchDecoder(BatchDecoder):
             else (0, None, None)
         )
         if shared <= beyond or (source is None and kept is None):
-            empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
-            return [], [empty for _ in self._past]
+            return [], self._empty_cache()
         self.reused_tokens += shared
         if kept is not None:
             cache = [np.ascontiguousarray(kv[None, :, :shared]) for kv in self._retained.use(kept)]
@@ -222,6 +238,11 @@ class OrtBatchDecoder(BatchDecoder):
             # a copy, always: a view of a whole row would change when `remove` moves another row into it
             cache = [kv[source : source + 1, :, :shared].copy() for kv in self._cache]
         return list(prompt[:shared]), cache
+
+    def _empty_cache(self) -> list[np.ndarray]:
+        """A sequence's cache before its first token, per cache input."""
+        empty = np.zeros((1, *self._kv_shape[:1], 0, self._kv_shape[1]), self._kv_dtype)
+        return [empty for _ in self._past]
 
     def _retain(self, row: int) -> None:
         """Keep a copy of a leaving row's keys and values for later prompts that start like it; the least
@@ -240,7 +261,7 @@ class OrtBatchDecoder(BatchDecoder):
 
     def _extend(self, sequence: int, chunk: list[int]) -> Any:
         """Run `chunk` after what the opened `sequence` holds, in its own call of the graph (on the float session
-        from `FLOAT_PROMPT_TOKENS` on, where there is one); the logits after its last token. Where another
+        from `_float_from` tokens on, where there is one); the logits after its last token. Where another
         sequence computed since it opened (a prompt of the same burst, say) holds more of its start than it does,
         it takes that start's keys and values and computes only the rest."""
         held, cache = self._partial[sequence]
@@ -250,7 +271,8 @@ class OrtBatchDecoder(BatchDecoder):
             self.reused_tokens -= len(held)  # (counted when it opened)
             cache, chunk = copied, whole[len(start) :]
         self.steps += 1
-        logits, present = self._run_alone(chunk, cache, len(chunk) >= FLOAT_PROMPT_TOKENS)
+        long = self._float_from is not None and len(chunk) >= self._float_from
+        logits, present = self._run_alone(chunk, cache, long)
         self._partial[sequence] = (whole, present)
         return logits
 

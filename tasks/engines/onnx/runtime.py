@@ -13,11 +13,12 @@ from tasks.engines.contract import Runtime, next_token_nll
 from tasks.engines.manifest import VariantManifest
 from tasks.engines.onnx.batch import OrtBatchDecoder
 from tasks.engines.onnx.errors import engine_says
+from tasks.engines.onnx.float_prompts import FLOAT_PROMPT_TOKENS
 from tasks.engines.registry import register_engine
 from tasks.errors import ArtifactUnreadable
 
 ENGINE = "onnxruntime-genai"
-UNDECIDED: Any = False  # a runtime whose decoders' bfloat16 prompt path is not chosen yet
+UNDECIDED: Any = False  # a runtime whose decoders' prompt paths are not chosen yet
 ONNX_GENAI = "onnx-genai"  # the weights format: the builder's output folder (genai_config.json, model.onnx …)
 
 
@@ -47,17 +48,22 @@ class OrtGenAIRuntime(Runtime):
         self._og = og
         self._folder, self._threads = folder, target.threads
         self._bf16: Any = UNDECIDED  # the bfloat16 prompt path of its decoders (BfloatPrompts), or None
+        self._float_from: Any = UNDECIDED  # from which length their prompt slices run with float activations
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][
             "context_length"
         ]
 
     def batch_decoder(self) -> OrtBatchDecoder:
-        """The server's decoder; the first one made decides, once per runtime, whether long prompt slices run in
-        bfloat16 (`faster_in_bf16`: where the graph rounds activations to int8 anyway, and where it pays here)."""
+        """The server's decoder; the first one made decides, once per runtime, from which length prompt slices run
+        with float activations (`float_from`) and whether long ones run in bfloat16 (`faster_in_bf16`): where the
+        graph rounds activations to int8 anyway, and where it pays here."""
         decoder = json.loads((self._folder / "genai_config.json").read_text())["model"]["decoder"]
         shape = (decoder["num_key_value_heads"], decoder["head_size"])
         path = self._folder / decoder["filename"]
-        made = OrtBatchDecoder(path, shape, self._threads, bf16=self._bf16 or None)
+        float_from = FLOAT_PROMPT_TOKENS if self._float_from is UNDECIDED else self._float_from
+        made = OrtBatchDecoder(path, shape, self._threads, bf16=self._bf16 or None, float_from=float_from)
+        if self._float_from is UNDECIDED:  # first: the bfloat16 probe compares with the faster ONNX path
+            self._float_from = made.choose_float_from()
         if self._bf16 is UNDECIDED:
             self._bf16 = made.choose_bf16()
         return made
