@@ -18,7 +18,6 @@ from tasks.engines.onnx.batch import (
     FLOAT_PROMPT_TOKENS,
     RESERVED_POSITIONS,
     OrtBatchDecoder,
-    _int8_activations,
 )
 from tasks.engines.onnx.bf16_prompts import AGREEMENT, BfloatPrompts, faster_in_bf16
 from tasks.engines.onnx.graph_weights import GraphWeights
@@ -87,7 +86,7 @@ def test_long_slices_run_with_float_activations_steps_and_short_slices_as_the_gr
 
     decoder = decoder_of(int4_runtime)
     model = Path(int4_runtime._folder) / "model.onnx"
-    assert _int8_activations(onnx.load(model, load_external_data=False))
+    assert float_prompts.rounds_activations_to_int8(onnx.load(model, load_external_data=False))
     assert decoder._prompt_session is not decoder._session  # a second session, float activations
     option = "mlas.qnbit.force_fp32"
     assert decoder._prompt_session.get_session_options().get_session_config_entry(option) == "1"
@@ -121,29 +120,67 @@ def test_float_activations_run_prompts_only_from_the_length_where_they_pay_on_th
         return [(seed + 13 * index) % 200 + 3 for index in range(length)]
 
     decoder = decoder_of(int4_runtime)
-    run = timed(decoder, lambda tokens, long: tokens * (0.8 if long and tokens >= 64 else 1.0))
-    assert decoder.choose_float_from() == 64  # faster at 128, 96 and 64, as long at 48: from 64
+    run = timed(decoder, lambda tokens, long: tokens * 1e-3 * (0.8 if long and tokens >= 64 else 1.0))
+    assert decoder.choose_float_from(context=2048) == 64  # faster at 128, 96 and 64, as long at 48: from 64
     decoder._run_alone = run
     calls = sessions_used(decoder)
     decoder.add(prompt(64, 1))
     decoder.add(prompt(63, 2))
     assert calls == ["float", "graph"]
 
+    # from the longest down: faster at 128, not at 96, faster again at 64 and below: from 128 only
+    gap = decoder_of(int4_runtime)
+    timed(gap, lambda tokens, long: tokens * 1e-3 * (0.8 if long and tokens != 96 else 1.0))
+    assert gap.choose_float_from(context=2048) == 128
+    # the bfloat16 probe (96 tokens) is timed against what such a slice runs on now: the graph
+    del gap._run_alone  # (untimed again)
+    calls = sessions_used(gap)
+
+    def probe(path, names, kv_shape, threads, run):
+        run(prompt(96, 4), gap._empty_cache())
+
+    monkeypatch.setattr("tasks.engines.onnx.batch.faster_in_bf16", probe)
+    assert gap.choose_bf16() is None and calls == ["graph"]
+    monkeypatch.setattr("tasks.engines.onnx.batch.faster_in_bf16", faster_in_bf16)
+    # a model too quick to time (under QUICKEST_SECONDS) keeps the default
+    quick = decoder_of(int4_runtime)
+    timed(quick, lambda tokens, long: tokens * 1e-5 * (1.0 if long else 0.5))
+    assert quick.choose_float_from(context=2048) == FLOAT_PROMPT_TOKENS
+    # a large model's calls take seconds: no shorter length is probed once PROBE_SECONDS are spent
+    slow = decoder_of(int4_runtime)
+    timed(slow, lambda tokens, long: tokens * 0.01 * (0.8 if long else 1.0))  # both 128-token calls: 2.3 s
+    assert slow.choose_float_from(context=2048) == 96
+    # no slice longer than the model's context is probed: here it pays only beyond it
+    short = decoder_of(int4_runtime)
+    timed(short, lambda tokens, long: tokens * 1e-3 * (0.8 if long and tokens > 100 else 1.0))
+    assert short.choose_float_from(context=100) is None
+
     nowhere = decoder_of(int4_runtime)  # as on an AVX2 CPU: as long, or longer, at every length
-    timed(nowhere, lambda tokens, long: tokens * (0.97 if long else 1.0))
-    assert nowhere.choose_float_from() is None
+    timed(nowhere, lambda tokens, long: tokens * 1e-3 * (0.97 if long else 1.0))
+    assert nowhere.choose_float_from(context=2048) is None
     assert nowhere._prompt_session is nowhere._session  # the second copy of the weights dropped
     calls = sessions_used(nowhere)
     nowhere.add(prompt(130, 3))
     assert calls == ["graph"]
 
-    # the runtime decides once; its later decoders make no float session where it does not pay
+    def failing(tokens, long):
+        raise RuntimeError("planted: ONNX Runtime failed")
+
+    broken = decoder_of(int4_runtime)  # a probe that fails leaves the graph serving, no error
+    broken._run_alone = lambda chunk, cache, long=True: failing(chunk, long)
+    assert broken.choose_float_from(context=2048) is None
+    assert broken._prompt_session is broken._session
+
+    # the runtime decides once, and its later decoders run float activations from the length it chose
     chosen = load_runtime(Path(int4_runtime._folder), TargetConfig(threads=1))
-    monkeypatch.setattr("tasks.engines.onnx.batch.float_from", lambda *args: None)
+    monkeypatch.setattr("tasks.engines.onnx.batch.measured_float_from", lambda *args: 64)
     first = chosen.batch_decoder()
-    monkeypatch.setattr("tasks.engines.onnx.batch.float_from", lambda *args: pytest.fail("decided twice"))
+    monkeypatch.setattr(
+        "tasks.engines.onnx.batch.measured_float_from", lambda *args: pytest.fail("decided twice")
+    )
     second = chosen.batch_decoder()
-    assert first._prompt_session is first._session and second._prompt_session is second._session
+    assert first._float_from == second._float_from == 64
+    assert second._prompt_session is not second._session
 
 
 def test_a_float_prompt_gives_the_graphs_logits_to_int8_rounding_and_the_same_answer(int4_runtime):

@@ -3,6 +3,7 @@ leaving between steps, prompts in slices (see `OrtBatchDecoder`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,15 @@ from tasks.engines.contract import (
 )
 from tasks.engines.onnx.bf16_prompts import BfloatPrompts, faster_in_bf16, weights_bytes
 from tasks.engines.onnx.errors import engine_says
-from tasks.engines.onnx.float_prompts import FLOAT_PROMPT_TOKENS, float_from
+from tasks.engines.onnx.float_prompts import (
+    FLOAT_PROMPT_TOKENS,
+    measured_float_from,
+    return_freed_memory,
+    rounds_activations_to_int8,
+)
 from tasks.errors import ArtifactUnreadable
+
+log = logging.getLogger(__name__)
 
 # Prompt slices run in bfloat16 by torch where the decoder has that path (tasks/engines/onnx/bf16_prompts.py) when
 # the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them (the step's other
@@ -54,15 +62,12 @@ class OrtBatchDecoder(BatchDecoder):
     slice cannot share the running rows' call as in llama.cpp; the step runs first and its tokens go out, then each
     slice gets its own call, shortest first, its first token going out as soon as it is done.
 
-    Long slices with float activations: where the graph's MatMulNBits compute with int8 activations (the builder's
-    `accuracy_level: 4`, its CPU default), a slice of `float_from` tokens or more runs on a second session of the
-    same graph whose MatMulNBits keep their activations in float32 (ONNX Runtime's `mlas.qnbit.force_fp32`): int8
-    activations pay at one or a few rows, where the weights' bytes bound the call, and on some CPUs cost at many,
-    where MLAS's float kernels are faster (`choose_float_from` measures from which length, once per runtime;
-    tasks/engines/onnx/float_prompts.py). The float path is the more exact one (the weights are the same, the
-    activations are not rounded to 8 bits), so a served prompt is computed at least as accurately as the evaluation
-    measured it; steps and short slices run as the graph says. The second session holds its own packed copy of the
-    weights: it is made only where the machine has room for it twice over, and dropped where it does not pay.
+    Long slices with float activations: where the graph's MatMulNBits round activations to int8 (the builder's
+    `accuracy_level: 4`), a slice of `float_from` tokens or more runs on a second session of the graph that keeps
+    them in float32 (`mlas.qnbit.force_fp32`), on CPUs where MLAS's float kernels are the faster ones over many rows
+    (`choose_float_from` measures from which length, once per runtime: tasks/engines/onnx/float_prompts.py). It is
+    the more exact path (activations not rounded), so a served prompt is computed at least as accurately as the
+    evaluation measured it. Its own packed copy of the weights is made only where there is room for it twice over.
 
     Long slices in bfloat16: on a CPU with fast bfloat16 matrix products (AMX), the same weights dequantized to
     bfloat16 run prompts ~1.5-2x faster through torch than ONNX Runtime's float kernels, several prompts' slices in
@@ -95,7 +100,7 @@ class OrtBatchDecoder(BatchDecoder):
             import onnx
 
             model = onnx.load(model_path, load_external_data=False)  # the graph alone, once
-            int8_activations = _int8_activations(model)
+            int8_activations = rounds_activations_to_int8(model)
             graph = last_position_logits(model)
             self._session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         except (
@@ -135,16 +140,26 @@ class OrtBatchDecoder(BatchDecoder):
     def active(self) -> int:
         return len(self._ids) + len(self._partial)
 
-    def choose_float_from(self) -> int | None:
-        """From which length prompt slices run with float activations, measured here (`float_from`); None, and the
-        float session dropped, where they do not pay on this CPU or there is no such session."""
+    @property
+    def float_session(self) -> bool:
+        """Whether prompt slices can run with float activations (a second session, see above)."""
+        return self._float_from is not None
+
+    def choose_float_from(self, context: int) -> int | None:
+        """From which length prompt slices run with float activations, measured here on slices of at most
+        `context` tokens (`measured_float_from`); None, and the float session dropped, where they do not pay on this
+        CPU, there is no such session or the probe failed (logged: the graph runs every prompt, as it can)."""
         if self._float_from is not None:
-            empty = self._empty_cache()
-            self._float_from = float_from(
-                lambda tokens, long: self._run_alone(tokens, empty, long), self._model_path.parent.name
+            empty, vocabulary = self._empty_cache(), self._session.get_outputs()[0].shape[-1]
+            self._float_from = measured_float_from(
+                lambda tokens, long: self._run_alone(tokens, empty, long),
+                self._model_path.parent.name,
+                vocabulary,
+                context,
             )
             if self._float_from is None:
                 self._prompt_session = self._session  # its copy of the weights goes with it
+                return_freed_memory()
         return self._float_from
 
     def choose_bf16(self) -> BfloatPrompts | None:
@@ -153,8 +168,8 @@ class OrtBatchDecoder(BatchDecoder):
         extends, and `faster_in_bf16` finds the path agrees with this decoder's own prompt call and beats it here.
         The path chosen, or None."""
         if self._bf16 is None and self._int8_activations and self._kv_dtype == np.float32:
-            self._bf16 = faster_in_bf16(
-                self._model_path, self._past, self._kv_shape, self._threads, self._run_alone
+            self._bf16 = faster_in_bf16(  # against what a slice of the probe's length runs on now
+                self._model_path, self._past, self._kv_shape, self._threads, self._run_chosen
             )
         return self._bf16
 
@@ -271,8 +286,7 @@ class OrtBatchDecoder(BatchDecoder):
             self.reused_tokens -= len(held)  # (counted when it opened)
             cache, chunk = copied, whole[len(start) :]
         self.steps += 1
-        long = self._float_from is not None and len(chunk) >= self._float_from
-        logits, present = self._run_alone(chunk, cache, long)
+        logits, present = self._run_chosen(chunk, cache)
         self._partial[sequence] = (whole, present)
         return logits
 
@@ -295,6 +309,11 @@ class OrtBatchDecoder(BatchDecoder):
             return
         for sequence, chunk in sorted(fills, key=lambda fill: len(fill[1])):
             yield {sequence: self._extend(sequence, chunk)}
+
+    def _run_chosen(self, chunk: list[int], cache: list[np.ndarray]) -> tuple[Any, list[Any]]:
+        """`_run_alone` on the session a slice of this length runs on: with float activations from `_float_from`
+        tokens on, where there is such a session."""
+        return self._run_alone(chunk, cache, self._float_from is not None and len(chunk) >= self._float_from)
 
     def _run_alone(
         self, chunk: list[int], cache: list[np.ndarray], long: bool = True
@@ -417,16 +436,6 @@ def last_position_logits(model: Any) -> bytes:
     graph.node.insert(list(graph.node).index(head), sliced)
     head.input[0] = "llmopt_last_hidden"
     return model.SerializeToString()
-
-
-def _int8_activations(model: Any) -> bool:
-    """Whether any MatMulNBits of the graph (a ModelProto) computes with int8 activations (accuracy_level 4)."""
-    return any(
-        attribute.name == "accuracy_level" and attribute.i == 4
-        for node in model.graph.node
-        if node.op_type == "MatMulNBits"
-        for attribute in node.attribute
-    )
 
 
 # Positions per row set up before the first request (`reserve`): a prompt of a few hundred tokens and its answer.

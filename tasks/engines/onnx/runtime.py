@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ class OrtGenAIRuntime(Runtime):
         self._folder, self._threads = folder, target.threads
         self._bf16: Any = UNDECIDED  # the bfloat16 prompt path of its decoders (BfloatPrompts), or None
         self._float_from: Any = UNDECIDED  # from which length their prompt slices run with float activations
+        self._deciding = threading.Lock()
         self.context_length = json.loads((folder / "genai_config.json").read_text())["model"][
             "context_length"
         ]
@@ -60,12 +62,15 @@ class OrtGenAIRuntime(Runtime):
         decoder = json.loads((self._folder / "genai_config.json").read_text())["model"]["decoder"]
         shape = (decoder["num_key_value_heads"], decoder["head_size"])
         path = self._folder / decoder["filename"]
-        float_from = FLOAT_PROMPT_TOKENS if self._float_from is UNDECIDED else self._float_from
-        made = OrtBatchDecoder(path, shape, self._threads, bf16=self._bf16 or None, float_from=float_from)
-        if self._float_from is UNDECIDED:  # first: the bfloat16 probe compares with the faster ONNX path
-            self._float_from = made.choose_float_from()
-        if self._bf16 is UNDECIDED:
-            self._bf16 = made.choose_bf16()
+        with self._deciding:  # one probe at a time: two at once would time each other
+            float_from = FLOAT_PROMPT_TOKENS if self._float_from is UNDECIDED else self._float_from
+            made = OrtBatchDecoder(path, shape, self._threads, bf16=self._bf16 or None, float_from=float_from)
+            # first: the bfloat16 probe compares with the ONNX path a slice of its length takes; a decoder that had
+            # no room for a float session leaves the question to the next one
+            if self._float_from is UNDECIDED and made.float_session:
+                self._float_from = made.choose_float_from(self.context_length)
+            if self._bf16 is UNDECIDED:
+                self._bf16 = made.choose_bf16()
         return made
 
     def suppressed_at_length(self, stop_at_eos: bool) -> frozenset[int]:
