@@ -267,6 +267,7 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
     from tasks.report.tracking import configure_tracking
 
     configure_tracking(config.tracking, root)
+    show_own_logs()
     keep_freed_memory()
     settings, metrics, limits = config.serve, ServerMetrics(), Limits.of(config.serve)
     served = []
@@ -302,6 +303,21 @@ def serve_registered_models(config: Any, root: Any, refs: list[str], host: str, 
         timeout_graceful_shutdown=settings.request_timeout_s,
         limit_concurrency=settings.max_connections,
     )
+
+
+def show_own_logs() -> None:
+    """llmopt's own log lines on the console at INFO, in uvicorn's format beside its lines: what a loaded version
+    runs on (the prompt paths measured at its first decoder, compiled buckets), alias moves, warnings. Without a
+    handler only warnings reached the console, and the rest was lost."""
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    for name in ("tasks", "llmopt"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        logger.propagate = False  # (a handler of the root's would print each line twice)
 
 
 def keep_freed_memory() -> None:

@@ -152,3 +152,28 @@ def test_an_evaluation_harness_loglikelihood_request_scores_as_the_pipeline_does
     )
     assert len(with_answer.choices[0].logprobs.token_logprobs) == len(ids) + 3
     assert with_answer.choices[0].text.startswith(PROMPT)
+
+
+def test_llmopt_serve_shows_its_own_info_lines_once_in_uvicorns_format(capsys):
+    """What a loaded version runs on (the engines' verdicts at INFO) reaches the console of `llmopt serve`, once."""
+    import logging
+
+    from serving.app import show_own_logs
+
+    loggers = [logging.getLogger(name) for name in ("tasks", "llmopt")]
+    kept = [(logger.level, logger.propagate, list(logger.handlers)) for logger in loggers]
+    root = logging.StreamHandler()  # a handler of the root's, as a library may install: no second copy
+    logging.getLogger().addHandler(root)
+    try:
+        show_own_logs()
+        logging.getLogger("tasks.engines.onnx.float_prompts").info("planted: the graph runs them")
+        logging.getLogger("llmopt.serve").warning("planted: moved")
+        logging.getLogger("tasks.engines").debug("planted: not shown")
+    finally:
+        logging.getLogger().removeHandler(root)
+        for logger, (level, propagate, handlers) in zip(loggers, kept, strict=True):
+            logger.setLevel(level)
+            logger.propagate = propagate
+            logger.handlers[:] = handlers
+    lines = [line for line in capsys.readouterr().err.splitlines() if "planted" in line]
+    assert lines == ["INFO:     planted: the graph runs them", "WARNING:  planted: moved"], lines
