@@ -3,7 +3,6 @@ leaving between steps, prompts in slices (see `OrtBatchDecoder`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +27,6 @@ from tasks.engines.onnx.float_prompts import (
     rounds_activations_to_int8,
 )
 from tasks.errors import ArtifactUnreadable
-
-log = logging.getLogger(__name__)
 
 # Prompt slices run in bfloat16 by torch where the decoder has that path (tasks/engines/onnx/bf16_prompts.py) when
 # the step's slices of `BF16_SLICE_TOKENS` or more hold `BF16_PROMPT_TOKENS` or more between them (the step's other

@@ -28,12 +28,10 @@ clock = time.perf_counter  # what the probe times both paths with (tests drive t
 FLOAT_PROMPT_TOKENS = 48
 # the lengths probed, longest first: the probe stops at the first where float activations do not pay
 PROBE_LENGTHS = (128, 96, 64, 48, 32, 24, 16)
-PROBE_ROUNDS = (
-    3  # the best of this many calls each, the two paths' order alternating (other processes may be busy)
-)
-PROBE_SECONDS = (
-    10.0  # no shorter length is probed once this much is spent (a large model's calls take seconds)
-)
+# the best of this many calls each, the two paths' order alternating (other processes may be busy)
+PROBE_ROUNDS = 3
+# no shorter length is probed once this much is spent (a large model's calls take seconds)
+PROBE_SECONDS = 10.0
 # a model whose longest probed slice takes less than this on the graph is timed by noise (a test's tiny model): it
 # keeps `FLOAT_PROMPT_TOKENS` (SmolLM2-135M's 128-token slice takes ~200 ms on 2 cores)
 QUICKEST_SECONDS = 0.02
@@ -55,8 +53,9 @@ def measured_float_from(
 ) -> int | None:
     """The shortest probed length from which `run(tokens, float_activations)` (one prompt slice on an empty cache)
     is faster with float activations at that length and every longer one, or None where it is not even at the
-    longest or a call fails (`FLOAT_PROMPT_TOKENS` for a model too quick to time); token ids below `vocabulary` (the graph's logits' last dimension: below 100 where it
-    is not a number), no length above `longest` (the model's context). The verdict in the log under `name`."""
+    longest or a call fails (`FLOAT_PROMPT_TOKENS` for a model too quick to time); token ids below `vocabulary`
+    (the graph's logits' last dimension: below 100 where it is not a number), no length above `longest` (the
+    model's context). The verdict in the log under `name`."""
     try:
         return _probe(run, name, vocabulary if isinstance(vocabulary, int) else 100, longest)
     except Exception as exc:  # noqa: BLE001 (ONNX Runtime's own failures: the graph alone serves, as it can)
